@@ -1,0 +1,42 @@
+# The two commands of the README: `make run` and `make test`. Both create the virtual
+# environment on first use (and again when pyproject.toml changes).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+CONFIG ?= config.example.yaml
+
+.PHONY: run test test-unit test-integration lint typecheck bench-overhead clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# The CPU build of torch first, so the semantic cache's dependencies never pull a CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test,bench,semantic]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/fleetgate serve --config $(CONFIG)
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+test-unit: $(STAMP)
+	$(BIN)/pytest -q tests/unit
+
+test-integration: $(STAMP)
+	$(BIN)/pytest -q tests/integration
+
+lint: $(STAMP)
+	$(BIN)/ruff check gateway routing cache limits replicas bench tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+bench-overhead: $(STAMP)
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache logs

@@ -1,0 +1,80 @@
+"""API keys -> tenants.
+
+Keys are stored as SHA-256 digests (or read from the environment and hashed at load), so
+neither the config nor memory holds a usable key. A request's key is hashed and looked up
+by digest. That is the constant-time comparison: the timing of a dict lookup depends only
+on the digest, and an attacker cannot steer a digest towards a stored one (that would need
+a SHA-256 preimage), so comparing the raw key byte by byte never happens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from gateway.errors import Unauthorized
+
+
+@dataclass(frozen=True)
+class KeyRef:
+    """Where a key comes from: a stored digest, or an environment variable."""
+
+    digest: str | None
+    env_var: str | None
+
+    @classmethod
+    def parse(cls, ref: str) -> KeyRef:
+        kind, _, value = ref.partition(":")
+        return cls(digest=value, env_var=None) if kind == "sha256" else cls(digest=None, env_var=value)
+
+    def resolve(self, environ: Mapping[str, str]) -> str | None:
+        if self.digest is not None:
+            return self.digest
+        key = environ.get(self.env_var or "")
+        return hashlib.sha256(key.encode()).hexdigest() if key else None
+
+
+class KeyRing:
+    """Digest -> owner (a tenant id, or "admin")."""
+
+    def __init__(self, owners: Mapping[str, str]) -> None:
+        self._owners = dict(owners)
+
+    @classmethod
+    def build(
+        cls, entries: Iterable[tuple[str, Iterable[str]]], environ: Mapping[str, str] | None = None
+    ) -> tuple[KeyRing, list[str]]:
+        """From (owner, key refs) pairs; also returns the env variables that were unset."""
+        env = os.environ if environ is None else environ
+        owners: dict[str, str] = {}
+        missing: list[str] = []
+        for owner, refs in entries:
+            for ref in refs:
+                key_ref = KeyRef.parse(ref)
+                digest = key_ref.resolve(env)
+                if digest is None:
+                    missing.append(key_ref.env_var or "")
+                    continue
+                if owners.setdefault(digest, owner) != owner:
+                    raise ValueError(f"one API key is configured for both {owners[digest]!r} and {owner!r}")
+        return cls(owners), missing
+
+    def owner_of(self, authorization: str | None) -> str:
+        """The owner of the bearer key in an ``Authorization`` header, or ``Unauthorized``."""
+        if not authorization:
+            raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+        scheme, _, key = authorization.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise Unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        owner = self._owners.get(digest)
+        if owner is None:
+            raise Unauthorized("Incorrect API key provided.")
+        return owner
+
+    def __len__(self) -> int:
+        return len(self._owners)
+

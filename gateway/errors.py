@@ -1,0 +1,127 @@
+"""Every error the gateway can hand a client, in OpenAI's shape.
+
+Hierarchy::
+
+    GatewayError                      status, type, code, param; to_json() -> OpenAI body
+    ├── BadRequest           400      invalid_request_error (malformed JSON, wrong types...)
+    ├── Unauthorized         401      invalid_api_key
+    ├── Forbidden            403      permission denied (admin API, forced tier)
+    ├── NotFound             404      model_not_found, unknown route
+    ├── MethodNotAllowed     405      GET on a POST endpoint
+    ├── RequestTimeout       408      the client's own body never arrived
+    ├── PayloadTooLarge      413      body over ``server.max_body_bytes``
+    ├── RateLimited          429      rate_limit_exceeded / insufficient_quota (+ Retry-After)
+    ├── InternalError        500      a bug: logged with its traceback, never sent
+    ├── BadGateway           502      every replica tried failed
+    ├── ServiceUnavailable   503      no healthy replica, a limit store down with fail_closed
+    └── GatewayTimeout       504      the upstream did not answer in time
+
+Library exceptions (aiohttp, redis, orjson) are translated where they are caught, with
+``raise ... from exc``; only this module knows the wire format of an error.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class GatewayError(Exception):
+    """An error with an HTTP status and an OpenAI error body."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def to_json(self) -> bytes:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class InternalError(GatewayError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+class BadGateway(GatewayError):
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+
+class ServiceUnavailable(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
+class GatewayTimeout(GatewayError):
+    status = 504
+    type = "server_error"
+    code = "upstream_timeout"

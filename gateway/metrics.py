@@ -1,0 +1,173 @@
+"""The gateway's Prometheus metrics, all prefixed ``fleetgate_``, with bounded label sets.
+
+Labels take values from configuration only (model names, tenant ids, replica ids, endpoint
+kinds, status codes), never from request content, so their cardinality is bounded by the
+config. Each app owns its registry so several gateways can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from replicas.replica import Replica
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class TokenGapHistogram(Collector):
+    """Inter-token latency, fed a whole stream's gaps at once.
+
+    A stream relays up to thousands of events a second; observing each gap through a
+    locked ``Histogram.observe`` would cost more than relaying the event. Streams bucket
+    their gaps locally (``Gaps``) and merge once when they end.
+    """
+
+    def __init__(self, name: str, doc: str, bounds: Sequence[float], labels: Sequence[str]) -> None:
+        self._name, self._doc, self._bounds, self._labels = name, doc, tuple(bounds), tuple(labels)
+        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+
+    def new_gaps(self) -> Gaps:
+        return Gaps(self._bounds)
+
+    def merge(self, label_values: tuple[str, ...], gaps: Gaps) -> None:
+        if not gaps.count:
+            return
+        counts, total = self._series.setdefault(label_values, ([0] * (len(self._bounds) + 1), [0.0]))
+        for i, n in enumerate(gaps.counts):
+            counts[i] += n
+        total[0] += gaps.total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._labels)
+        for values, (counts, total) in self._series.items():
+            running, buckets = 0, []
+            for bound, n in zip((*self._bounds, float("inf")), counts, strict=True):
+                running += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+            family.add_metric(list(values), buckets, total[0])
+        yield family
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self._name, self._doc, labels=self._labels)
+
+
+class Gaps:
+    """One stream's inter-token gaps, bucketed locally (no locks, no allocation per gap)."""
+
+    __slots__ = ("_bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, gap: float, n: int = 1) -> None:
+        """Record ``n`` gaps of ``gap`` seconds each."""
+        self.counts[bisect_left(self._bounds, gap)] += n
+        self.count += n
+        self.total += gap * n
+
+
+class GatewayMetrics:
+    """Every metric the gateway core exports."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "fleetgate_requests", "Requests answered, by endpoint, model and HTTP status.",
+            ["endpoint", "model", "status"], registry=r,
+        )
+        self.latency = Histogram(
+            "fleetgate_request_duration_seconds", "Time from request to last byte sent.",
+            ["endpoint", "model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.ttft = Histogram(
+            "fleetgate_time_to_first_token_seconds", "Time from request to the first token event sent.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = TokenGapHistogram(
+            "fleetgate_inter_token_latency_seconds", "Gap between token events relayed to the client.",
+            ITL_BUCKETS, ["model"],
+        )
+        r.register(self.itl)
+        self.tokens = Counter(
+            "fleetgate_tokens", "Tokens by direction (prompt/completion), as reported by replicas.",
+            ["tenant", "model", "direction"], registry=r,
+        )
+        self.in_flight = Gauge("fleetgate_requests_in_flight", "Requests being served now.", registry=r)
+        self.overhead = Histogram(
+            "fleetgate_overhead_seconds",
+            "Gateway's own time per request: total minus time waiting on the upstream.",
+            ["endpoint"], buckets=OVERHEAD_BUCKETS, registry=r,
+        )
+        self.upstream_errors = Counter(
+            "fleetgate_upstream_errors", "Failed upstream attempts by replica and kind.",
+            ["replica", "kind"], registry=r,
+        )
+        self.retries = Counter("fleetgate_retries", "Attempts retried on another replica.", ["model"], registry=r)
+        self.stream_errors = Counter(
+            "fleetgate_stream_errors", "Streams ended with an error event after the first byte.", ["model"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "fleetgate_client_disconnects", "Requests whose client left before the end.", ["model"], registry=r,
+        )
+        self.config_reloads = Counter(
+            "fleetgate_config_reloads", "Configuration reloads by result (ok/error).", ["result"], registry=r,
+        )
+
+
+class FleetCollector(Collector):
+    """Per-replica state, read from the fleet at scrape time (never stale, no bookkeeping)."""
+
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], clock: Callable[[], float]) -> None:
+        self._replicas = replicas
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        now = self._clock()
+        healthy = GaugeMetricFamily(
+            "fleetgate_replica_healthy", "1 when the replica is routable.", labels=["replica", "model"]
+        )
+        state = GaugeMetricFamily("fleetgate_replica_state", "1 for the replica's current state.", labels=["replica", "state"])
+        tokens = GaugeMetricFamily(
+            "fleetgate_replica_outstanding_tokens", "Tokens each replica owes this gateway.", labels=["replica"]
+        )
+        requests = GaugeMetricFamily(
+            "fleetgate_replica_outstanding_requests", "Requests in flight on each replica.", labels=["replica"]
+        )
+        breaker = GaugeMetricFamily(
+            "fleetgate_replica_breaker_open", "1 while the replica's circuit breaker is open.", labels=["replica"]
+        )
+        restarts = CounterMetricFamily("fleetgate_replica_restarts", "Managed replica restarts.", labels=["replica"])
+        probes = CounterMetricFamily(
+            "fleetgate_replica_probe_failures", "Failed /health or /metrics probes.", labels=["replica"]
+        )
+        vllm = GaugeMetricFamily(
+            "fleetgate_replica_vllm", "Last value scraped from the replica's /metrics.", labels=["replica", "metric"]
+        )
+        for r in self._replicas():
+            healthy.add_metric([r.id, r.model], 1.0 if r.routable(now) else 0.0)
+            state.add_metric([r.id, r.state.value], 1.0)
+            tokens.add_metric([r.id], r.outstanding_tokens)
+            requests.add_metric([r.id], r.outstanding_requests)
+            breaker.add_metric([r.id], 1.0 if r.breaker.is_open and not r.breaker.allows(now) else 0.0)
+            restarts.add_metric([r.id], r.restarts)
+            probes.add_metric([r.id], r.probe_failures)
+            for name, value in r.gauges.items():
+                vllm.add_metric([r.id, name.removeprefix("vllm:")], value)
+        yield from (healthy, state, tokens, requests, breaker, restarts, probes, vllm)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())

@@ -1,0 +1,362 @@
+"""Forward one call to the fleet: pick, send, retry before commit, relay, account.
+
+Retry rule: an attempt that fails before anything reached the client (connect error,
+timeout before the first byte, a 5xx) is retried on another replica, up to
+``upstream.max_attempts``. Once a data event has been written, the client owns the
+stream: a later failure ends it with an SSE error event, never silently.
+
+Timeouts: ``connect_timeout_s`` to open a connection, ``first_byte_timeout_s`` until the
+first token (or the whole response when not streaming, bounded by ``request_timeout_s``),
+``chunk_gap_timeout_s`` between two chunks of a stream. While a streaming client waits for
+its first token, an SSE comment is sent every ``keepalive_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
+from gateway.metrics import Gaps, GatewayMetrics
+from gateway.request import Call
+from gateway.settings import UpstreamSettings
+from gateway.sse import SseScanner, error_event
+from replicas.replica import Claim, Replica
+
+KEEPALIVE = b": keep-alive\n\n"
+# Completion tokens assumed owed when a client sets no max_tokens (routing estimate only).
+DEFAULT_COMPLETION_ESTIMATE = 256
+
+Picker = Callable[[set[str]], Replica | None]
+
+
+class UpstreamFailure(Exception):
+    """One attempt failed in a way another replica might not."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What one request learned on its way through the proxy (for logs, metrics, limits)."""
+
+    call: Call
+    request_id: str
+    headers: dict[str, str]
+    started: float
+    replica: Replica | None = None
+    attempts: int = 0
+    status: int = 0
+    usage: dict[str, Any] | None = None
+    first_token_at: float | None = None
+    upstream_started: float | None = None
+    upstream_ended: float | None = None
+    error_code: str | None = None
+    tried: set[str] = field(default_factory=set)
+    # The client's stream, once prepared (keep-alives or the first event sent).
+    response: web.StreamResponse | None = None
+
+
+class Proxy:
+    """Owns the pooled client session to every replica."""
+
+    def __init__(self, settings: UpstreamSettings, metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+
+    async def __aenter__(self) -> Proxy:
+        connector = aiohttp.TCPConnector(limit=self.settings.pool_size, ttl_dns_cache=300, enable_cleanup_closed=True)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=self._timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("Proxy used outside its 'async with' block")
+        return self._session
+
+    # -- shared by both paths -------------------------------------------------------------
+
+    def _next(self, ex: Exchange, pick: Picker) -> Replica | None:
+        """The next replica to try; None when every candidate has been tried."""
+        replica = pick(ex.tried)
+        if replica is None:
+            if ex.attempts == 0:
+                raise ServiceUnavailable(
+                    f"No healthy replica is serving '{ex.call.model}' right now.", code="no_healthy_replica"
+                )
+            return None
+        if ex.attempts:
+            self.metrics.retries.labels(replica.model).inc()
+        ex.attempts += 1
+        ex.tried.add(replica.id)
+        ex.replica = replica
+        ex.headers["x-fleetgate-replica"] = replica.id
+        return replica
+
+    def _claim(self, ex: Exchange, replica: Replica) -> Claim:
+        call = ex.call
+        return Claim(replica, call.prompt_tokens_estimate, call.max_tokens or DEFAULT_COMPLETION_ESTIMATE)
+
+    def _failed(self, replica: Replica, failure: UpstreamFailure) -> None:
+        self.metrics.upstream_errors.labels(replica.id, failure.kind).inc()
+        replica.breaker.record_failure(self.clock())
+
+    def _request_headers(self, ex: Exchange) -> dict[str, str]:
+        return {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
+
+    # -- non-streaming ----------------------------------------------------------------------
+
+    async def complete(self, ex: Exchange, pick: Picker) -> web.Response:
+        last: UpstreamFailure | None = None
+        for _ in range(self.settings.max_attempts):
+            replica = self._next(ex, pick)
+            if replica is None:
+                break
+            claim = self._claim(ex, replica)
+            try:
+                status, body, ctype = await self._send(ex, replica)
+            except UpstreamFailure as failure:
+                self._failed(replica, failure)
+                last = failure
+                continue
+            finally:
+                claim.release()
+            replica.breaker.record_success()
+            ex.status = status
+            if status == 200:
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    parsed = orjson.loads(body)
+                    if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+                        ex.usage = parsed["usage"]
+            else:
+                ex.error_code = "upstream_client_error"
+            return web.Response(status=status, body=body, content_type=ctype, headers=ex.headers)
+        raise _exhausted(ex, last)
+
+    async def _send(self, ex: Exchange, replica: Replica) -> tuple[int, bytes, str]:
+        call = ex.call
+        url = replica.base_url + call.endpoint.value
+        ex.upstream_started = self.clock()
+        try:
+            async with asyncio.timeout(self.settings.request_timeout_s):
+                async with self.session.post(
+                    url, data=call.upstream_body(replica.served_model), headers=self._request_headers(ex)
+                ) as resp:
+                    body = await resp.read()
+                    status = resp.status
+                    ctype = resp.content_type or "application/json"
+        except TimeoutError as exc:
+            raise UpstreamFailure("timeout", f"{replica.id} timed out") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailure("connect", f"{replica.id}: {exc.__class__.__name__}") from exc
+        finally:
+            ex.upstream_ended = self.clock()
+        if status >= 500:
+            raise UpstreamFailure("status", f"{replica.id} answered {status}", status)
+        return status, body, ctype
+
+    # -- streaming --------------------------------------------------------------------------
+
+    async def stream(self, ex: Exchange, pick: Picker, request: web.Request) -> web.StreamResponse:
+        last: UpstreamFailure | None = None
+        for _ in range(self.settings.max_attempts):
+            replica = self._next(ex, pick)
+            if replica is None:
+                break
+            claim = self._claim(ex, replica)
+            try:
+                upstream, first = await self._open_with_keepalive(ex, replica, request)
+            except UpstreamFailure as failure:
+                # Nothing but keep-alive comments reached the client: try another replica.
+                claim.release()
+                self._failed(replica, failure)
+                last = failure
+                continue
+            except BaseException:
+                claim.release()
+                raise
+            replica.breaker.record_success()
+            if isinstance(upstream, web.Response):
+                # The replica refused the request (4xx): pass its error through.
+                claim.release()
+                ex.error_code = "upstream_client_error"
+                if ex.response is None:
+                    return upstream
+                await _end_with_error(ex.response, _refusal(upstream))
+                return ex.response
+            try:
+                return await self._relay(ex, upstream, first, claim, request)
+            finally:
+                claim.release()
+                upstream.release()
+        err = _exhausted(ex, last)
+        if ex.response is None:
+            raise err
+        # Keep-alives went out, so the status is already 200: end with an error event.
+        ex.error_code = err.code
+        await _end_with_error(ex.response, err)
+        return ex.response
+
+    async def _open_with_keepalive(
+        self, ex: Exchange, replica: Replica, request: web.Request
+    ) -> tuple[aiohttp.ClientResponse | web.Response, bytes]:
+        opening = asyncio.ensure_future(self._open(ex, replica))
+        try:
+            while True:
+                done, _ = await asyncio.wait((opening,), timeout=self.settings.keepalive_interval_s)
+                if done:
+                    return opening.result()
+                if ex.response is None:
+                    ex.response = await self._prepare(ex, request)
+                await ex.response.write(KEEPALIVE)
+        finally:
+            if not opening.done():
+                opening.cancel()
+                with contextlib.suppress(BaseException):
+                    await opening
+
+    async def _open(self, ex: Exchange, replica: Replica) -> tuple[aiohttp.ClientResponse | web.Response, bytes]:
+        """Send the request and read the first chunk, within ``first_byte_timeout_s``."""
+        call = ex.call
+        ex.upstream_started = self.clock()
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(self.settings.first_byte_timeout_s):
+                resp = await self.session.post(
+                    replica.base_url + call.endpoint.value,
+                    data=call.upstream_body(replica.served_model),
+                    headers=self._request_headers(ex),
+                )
+                if resp.status != 200:
+                    body = await resp.read()
+                    status = resp.status
+                    resp.release()
+                    if status >= 500:
+                        raise UpstreamFailure("status", f"{replica.id} answered {status}", status)
+                    ex.status = status
+                    return web.Response(
+                        status=status, body=body, content_type=resp.content_type, headers=ex.headers
+                    ), b""
+                first = await resp.content.readany()
+                if not first:
+                    resp.release()
+                    raise UpstreamFailure("eof", f"{replica.id} closed the stream before any token")
+                return resp, first
+        except TimeoutError as exc:
+            if resp is not None:
+                resp.close()
+            raise UpstreamFailure("timeout", f"{replica.id} sent nothing in time") from exc
+        except aiohttp.ClientError as exc:
+            if resp is not None:
+                resp.close()
+            raise UpstreamFailure("connect", f"{replica.id}: {exc.__class__.__name__}") from exc
+
+    async def _prepare(self, ex: Exchange, request: web.Request) -> web.StreamResponse:
+        headers = dict(ex.headers)
+        headers["Content-Type"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
+        headers["X-Accel-Buffering"] = "no"
+        response = web.StreamResponse(status=200, headers=headers)
+        await response.prepare(request)
+        ex.status = 200
+        return response
+
+    async def _relay(
+        self,
+        ex: Exchange,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        claim: Claim,
+        request: web.Request,
+    ) -> web.StreamResponse:
+        if ex.response is None:
+            ex.response = await self._prepare(ex, request)
+        response = ex.response
+        scanner = SseScanner(drop_usage=not ex.call.client_wants_usage)
+        gaps = self.metrics.itl.new_gaps()
+        clock = self.clock
+        out, n = scanner.feed(first)
+        now = clock()
+        ex.first_token_at = now
+        claim.prefilled()
+        claim.generated(n)
+        last = now
+        if out:
+            await response.write(out)
+        loop = asyncio.get_running_loop()
+        gap = self.settings.chunk_gap_timeout_s
+        try:
+            async with asyncio.timeout_at(loop.time() + gap) as deadline:
+                while not scanner.done:
+                    chunk = await upstream.content.readany()
+                    if not chunk:
+                        break
+                    deadline.reschedule(loop.time() + gap)
+                    out, n = scanner.feed(chunk)
+                    if n:
+                        now = clock()
+                        gaps.add((now - last) / n, n)
+                        last = now
+                        claim.generated(n)
+                    if out:
+                        await response.write(out)
+        except TimeoutError:
+            await self._broken(ex, response, f"The replica sent nothing for {gap:g} s; the stream was cut.")
+        except aiohttp.ClientError:
+            await self._broken(ex, response, "The replica's connection broke mid-stream.")
+        else:
+            if not scanner.done:
+                await self._broken(ex, response, "The replica ended the stream early.")
+        finally:
+            ex.upstream_ended = clock()
+            ex.usage = scanner.usage
+            self.metrics.itl.merge((ex.call.model,), gaps)
+        return response
+
+    async def _broken(self, ex: Exchange, response: web.StreamResponse, message: str) -> None:
+        assert ex.replica is not None
+        self._failed(ex.replica, UpstreamFailure("stream", message))
+        self.metrics.stream_errors.labels(ex.call.model).inc()
+        ex.error_code = "upstream_stream_error"
+        await _end_with_error(response, BadGateway(message, code="upstream_stream_error"))
+
+
+async def _end_with_error(response: web.StreamResponse, err: GatewayError) -> None:
+    with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+        await response.write(error_event(err.message, err.code or "upstream_error", err.type))
+        await response.write_eof()
+
+
+def _exhausted(ex: Exchange, last: UpstreamFailure | None) -> GatewayError:
+    if last is not None and last.kind == "timeout":
+        return GatewayTimeout(f"The replica did not answer in time after {ex.attempts} attempt(s).")
+    return BadGateway(f"All {ex.attempts} attempt(s) to reach a replica failed.", code="upstream_error")
+
+
+def _refusal(upstream: web.Response) -> GatewayError:
+    body = upstream.body if isinstance(upstream.body, bytes) else b""
+    message = f"The replica refused the request ({upstream.status})."
+    with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+        message = orjson.loads(body)["error"]["message"]
+    return BadGateway(message, code="upstream_client_error")

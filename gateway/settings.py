@@ -1,0 +1,276 @@
+"""Settings: one YAML file plus ``FLEETGATE_*`` environment overrides, validated once.
+
+Precedence (highest first): environment (``FLEETGATE_SERVER__PORT=9000``; nested keys
+joined by ``__``; lists such as ``models`` as JSON), then the YAML file, then the defaults
+below. With no file at all the defaults describe a laptop: two simulated replicas, memory
+stores, one development tenant. ``docs/configuration.md`` documents every key.
+
+Everything is parsed here and handed down as frozen models; no other module reads the
+environment or the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from limits.config import TenantLimits
+
+# The built-in development key. Only present when no tenant is configured at all, and
+# announced loudly at start-up, so a laptop works with zero setup and production does not
+# silently inherit it.
+DEV_API_KEY = "sk-fleetgate-dev"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the offending key path."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerSettings(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    # How long a client may take to send its request body before a 408.
+    body_timeout_s: float = Field(30.0, gt=0)
+    # In-flight requests get this long to finish on SIGTERM before they are cut.
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    access_log: bool = True
+    # Prompt text never reaches the logs unless an operator asks for it.
+    log_prompts: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class UpstreamSettings(_Frozen):
+    connect_timeout_s: float = Field(2.0, gt=0)
+    # Until the first token (prefill under load can be slow).
+    first_byte_timeout_s: float = Field(120.0, gt=0)
+    # Longest silence allowed between two chunks of a stream.
+    chunk_gap_timeout_s: float = Field(30.0, gt=0)
+    # Whole non-streaming request.
+    request_timeout_s: float = Field(600.0, gt=0)
+    # SSE comment sent to a waiting streaming client so proxies do not cut it.
+    keepalive_interval_s: float = Field(10.0, gt=0)
+    # Tries per request across replicas (1 = no retry); only before a byte reached the client.
+    max_attempts: int = Field(3, ge=1, le=10)
+    pool_size: int = Field(1024, ge=1)
+
+
+class HealthSettings(_Frozen):
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    # Consecutive failed probes before a healthy replica is taken out of rotation.
+    failures_to_down: int = Field(3, ge=1)
+    # Consecutive proxy failures (connect errors, 5xx, timeouts) that open a replica's breaker.
+    breaker_failures: int = Field(5, ge=1)
+    breaker_cooldown_s: float = Field(5.0, gt=0)
+    # How long a managed replica may take to answer /health after start.
+    start_timeout_s: float = Field(600.0, gt=0)
+
+
+class SimSettings(_Frozen):
+    """Timing of a simulated replica (``engine: sim``)."""
+
+    ttft_ms: float = Field(50.0, ge=0)
+    tokens_per_s: float = Field(50.0, gt=0)
+    # A calibrated GPU/model profile (``replicas.sim_profiles``); overrides the two above.
+    profile: str | None = None
+    seed: int = 0
+    time_scale: float = Field(1.0, gt=0)
+
+
+class ReplicaSettings(_Frozen):
+    """One replica source: an external ``url`` or a managed ``engine``."""
+
+    url: str | None = None
+    engine: Literal["sim", "vllm"] | None = None
+    count: int = Field(1, ge=1, le=64)
+    sim: SimSettings = SimSettings()
+    # engine: vllm
+    python: str = "python3"
+    model_path: str | None = None
+    gpus: list[int] = []
+    args: list[str] = []
+    env: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ReplicaSettings:
+        if (self.url is None) == (self.engine is None):
+            raise ValueError("give exactly one of 'url' (external) or 'engine' (managed)")
+        if self.url is not None:
+            if not self.url.startswith(("http://", "https://")):
+                raise ValueError("url must start with http:// or https://")
+            if self.count != 1:
+                raise ValueError("'count' applies to managed replicas only")
+        if self.engine == "vllm" and not self.model_path:
+            raise ValueError("engine 'vllm' needs 'model_path' (a local directory or a model id)")
+        return self
+
+
+class ModelSettings(_Frozen):
+    """A model name clients ask for, its tier, and the replicas that serve it."""
+
+    name: str = Field(min_length=1)
+    tier: str = "default"
+    replicas: list[ReplicaSettings] = Field(min_length=1)
+    # Context window, used to reject prompts that cannot fit (None: the replica decides).
+    max_model_len: int | None = Field(None, gt=0)
+
+
+class TenantSettings(_Frozen):
+    """A tenant: who it is, which keys authenticate it, and its limits."""
+
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    # Each entry: "sha256:<64 hex>" (see `fleetgate hash-key`) or "env:VARIABLE".
+    api_keys: list[str] = Field(min_length=1)
+    limits: TenantLimits = TenantLimits()
+
+    @field_validator("api_keys")
+    @classmethod
+    def _key_refs(cls, keys: list[str]) -> list[str]:
+        for ref in keys:
+            _check_key_ref(ref)
+        return keys
+
+
+class Settings(BaseSettings):
+    """The whole configuration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLEETGATE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    server: ServerSettings = ServerSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+    health: HealthSettings = HealthSettings()
+    # Unset: limits and caches live in this process's memory.
+    redis_url: str | None = None
+    # What model "auto" means until the classifier picks tiers; default: the first model.
+    default_model: str | None = None
+    models: list[ModelSettings] = Field(
+        default_factory=lambda: [
+            ModelSettings(name="fleetgate-sim", replicas=[ReplicaSettings(engine="sim", count=2)])
+        ]
+    )
+    tenants: list[TenantSettings] = []
+    admin_api_keys: list[str] = []
+
+    @field_validator("admin_api_keys")
+    @classmethod
+    def _admin_refs(cls, keys: list[str]) -> list[str]:
+        for ref in keys:
+            _check_key_ref(ref)
+        return keys
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        names = [m.name for m in self.models]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"models: duplicate name(s) {sorted(dupes)}")
+        if "auto" in names:
+            raise ValueError("models: 'auto' is reserved for tier routing")
+        if self.default_model is not None and self.default_model not in names:
+            raise ValueError(f"default_model: {self.default_model!r} is not a configured model")
+        ids = [t.id for t in self.tenants]
+        if len(ids) != len(set(ids)):
+            raise ValueError("tenants: duplicate tenant id")
+        return self
+
+    @property
+    def uses_dev_tenant(self) -> bool:
+        return not self.tenants
+
+    def effective_tenants(self) -> list[TenantSettings]:
+        if self.tenants:
+            return self.tenants
+        return [TenantSettings(id="dev", api_keys=["sha256:" + hash_key(DEV_API_KEY)])]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        yaml_file = settings_cls.model_config.get("yaml_file")
+        if yaml_file:
+            sources += (YamlConfigSettingsSource(settings_cls),)
+        return sources
+
+
+def hash_key(key: str) -> str:
+    """The SHA-256 hex digest a config stores instead of the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _check_key_ref(ref: str) -> None:
+    kind, _, value = ref.partition(":")
+    if kind == "sha256":
+        if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+            raise ValueError("a 'sha256:' key must be 64 lowercase hex digits")
+    elif kind == "env":
+        if not value:
+            raise ValueError("an 'env:' key needs a variable name")
+    else:
+        raise ValueError("an API key must be 'sha256:<hex>' or 'env:VARIABLE', never plain text")
+
+
+def load_settings(path: str | Path | None = None) -> Settings:
+    """Read, merge and validate; raise ``ConfigError`` naming the key path on any problem."""
+    try:
+        if path is None:
+            return Settings()
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"{file}: no such file")
+        # Parse once here so a YAML syntax error is reported as such, with its line.
+        data = yaml.safe_load(file.read_text())
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"{file}: the top level must be a mapping")
+
+        class _FromFile(Settings):
+            model_config = SettingsConfigDict(yaml_file=file)
+
+        return _FromFile()
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from exc
+
+
+def _describe(exc: ValidationError, path: str | Path | None) -> str:
+    where = f"{path}: " if path else ""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        lines.append(f"{where}{loc}: {err['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def settings_digest(settings: Settings) -> dict[str, Any]:
+    """A loggable view of the settings: no key hashes, no Redis credentials."""
+    return {
+        "models": [{"name": m.name, "tier": m.tier, "replicas": sum(r.count for r in m.replicas)} for m in settings.models],
+        "tenants": [t.id for t in settings.effective_tenants()],
+        "redis": "configured" if settings.redis_url else "memory",
+    }

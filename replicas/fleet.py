@@ -1,0 +1,151 @@
+"""The fleet: every replica of every model, their processes, and their health loop.
+
+``Fleet`` is an async context manager: entering starts the managed replicas and the
+health checker; leaving drains (no new requests, in-flight ones get the grace period),
+then stops the processes in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from replicas.health import HealthChecker
+from replicas.launcher import LaunchSpec, ManagedProcess, RestartPolicy, free_port
+from replicas.replica import Breaker, Replica, ReplicaState
+
+if TYPE_CHECKING:
+    from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings
+
+log = logging.getLogger("fleetgate.fleet")
+
+
+def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> list[str]:
+    sim = rs.sim
+    argv = [
+        sys.executable, "-m", "replicas.simulator",
+        "--port", str(port), "--model", served_model,
+        "--ttft-ms", str(sim.ttft_ms), "--tokens-per-s", str(sim.tokens_per_s),
+        "--seed", str(sim.seed + index), "--time-scale", str(sim.time_scale),
+    ]
+    if sim.profile:
+        argv += ["--profile", sim.profile]
+    return argv
+
+
+def vllm_argv(port: int, served_model: str, rs: ReplicaSettings) -> list[str]:
+    assert rs.model_path is not None
+    return [
+        rs.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", rs.model_path, "--served-model-name", served_model,
+        "--host", "127.0.0.1", "--port", str(port), *rs.args,
+    ]
+
+
+class Fleet:
+    """All replicas, grouped by public model name."""
+
+    def __init__(
+        self,
+        models: list[ModelSettings],
+        health: HealthSettings,
+        *,
+        log_dir: Path,
+        restart_policy: RestartPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._health_settings = health
+        self._log_dir = log_dir
+        self._policy = restart_policy or RestartPolicy()
+        self.clock = clock
+        self.by_model: dict[str, list[Replica]] = {}
+        self.tiers: dict[str, str] = {}
+        self.processes: list[ManagedProcess] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.checker: HealthChecker | None = None
+        for model in models:
+            self.tiers[model.name] = model.tier
+            self.by_model[model.name] = self._build(model)
+
+    def _build(self, model: ModelSettings) -> list[Replica]:
+        replicas: list[Replica] = []
+        for rs in model.replicas:
+            for _ in range(rs.count):
+                index = len(replicas)
+                rid = f"{model.name}-{index}"
+                breaker = Breaker(self._health_settings.breaker_failures, self._health_settings.breaker_cooldown_s)
+                if rs.url is not None:
+                    replicas.append(
+                        Replica(rid, rs.url.rstrip("/"), model.name, model.tier, model.name, False, breaker)
+                    )
+                    continue
+                port = free_port()
+                replica = Replica(rid, f"http://127.0.0.1:{port}", model.name, model.tier, model.name, True, breaker)
+                if rs.engine == "sim":
+                    argv, env = sim_argv(port, model.name, rs, index), {}
+                else:
+                    argv = vllm_argv(port, model.name, rs)
+                    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, rs.gpus))} if rs.gpus else {}
+                env = {**env, **rs.env}
+                spec = LaunchSpec(argv, env, self._log_dir / f"{rid}.log")
+                self.processes.append(ManagedProcess(replica, spec, self._policy))
+                replicas.append(replica)
+        return replicas
+
+    def all(self) -> list[Replica]:
+        return [r for rs in self.by_model.values() for r in rs]
+
+    def get(self, replica_id: str) -> Replica | None:
+        return next((r for r in self.all() if r.id == replica_id), None)
+
+    def healthy_count(self) -> int:
+        now = self.clock()
+        return sum(r.routable(now) for r in self.all())
+
+    async def __aenter__(self) -> Fleet:
+        self._session = aiohttp.ClientSession()
+        hs = self._health_settings
+        self.checker = HealthChecker(
+            self._session, interval_s=hs.interval_s, timeout_s=hs.timeout_s, failures_to_down=hs.failures_to_down
+        )
+        for proc in self.processes:
+            proc.start()
+        self._health_task = asyncio.create_task(self.checker.run(self.all()), name="health")
+        return self
+
+    async def wait_healthy(self, timeout_s: float, *, every: bool = False) -> bool:
+        """Wait until one (or every) replica is routable; False on timeout."""
+        deadline = self.clock() + timeout_s
+        while self.clock() < deadline:
+            n = self.healthy_count()
+            if (every and n == len(self.all())) or (not every and n > 0):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def drain_all(self, grace_s: float) -> None:
+        """Stop routing to every replica; wait for in-flight requests up to ``grace_s``."""
+        for replica in self.all():
+            if replica.state is ReplicaState.HEALTHY:
+                replica.state = ReplicaState.DRAINING
+        deadline = self.clock() + grace_s
+        while any(r.outstanding_requests for r in self.all()) and self.clock() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await asyncio.gather(*(p.stop(grace_s=10.0) for p in reversed(self.processes)))
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,160 @@
+"""Start, supervise and stop managed replica processes (vLLM or the simulator).
+
+Each replica is its own process group (``start_new_session``) so stopping it reaches the
+workers it spawned too, and asks the kernel to kill it if the gateway dies
+(``PR_SET_PDEATHSIG``), so even a SIGKILLed gateway leaves no orphan server holding a GPU.
+
+Restart policy: an exited replica is restarted after an exponential backoff; a replica
+that crashed ``crash_loop_count`` times within ``crash_loop_window_s`` is marked failed
+and left alone (an operator has to look; restarting it forever would only hide that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from replicas.replica import Replica, ReplicaState
+
+log = logging.getLogger("fleetgate.launcher")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: the kernel sends SIGKILL to this process
+    # when the gateway exits for any reason, SIGKILL included.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    crash_loop_count: int = 5
+    crash_loop_window_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to start one replica."""
+
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+
+
+class ManagedProcess:
+    """One supervised replica process; its ``Replica`` state reflects the process's life."""
+
+    def __init__(
+        self,
+        replica: Replica,
+        spec: LaunchSpec,
+        policy: RestartPolicy,
+        on_restart: Callable[[Replica], None] | None = None,
+    ) -> None:
+        self.replica = replica
+        self.spec = spec
+        self.policy = policy
+        self._on_restart = on_restart
+        self._proc: asyncio.subprocess.Process | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._crashes: deque[float] = deque()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"supervise:{self.replica.id}")
+
+    async def _spawn(self) -> None:
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.spec.log_path, "ab") as logfile:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.spec.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **self.spec.env},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.replica.state = ReplicaState.STARTING
+        log.info("replica started", extra={"replica": self.replica.id, "pid": self._proc.pid})
+
+    async def _supervise(self) -> None:
+        backoff = self.policy.backoff_initial_s
+        while not self._stopping:
+            await self._spawn()
+            assert self._proc is not None
+            started = time.monotonic()
+            code = await self._proc.wait()
+            if self._stopping:
+                return
+            now = time.monotonic()
+            self.replica.state = ReplicaState.DOWN
+            self._crashes.append(now)
+            while self._crashes and now - self._crashes[0] > self.policy.crash_loop_window_s:
+                self._crashes.popleft()
+            log.warning(
+                "replica exited",
+                extra={"replica": self.replica.id, "exit_code": code, "log": str(self.spec.log_path)},
+            )
+            if len(self._crashes) >= self.policy.crash_loop_count:
+                self.replica.state = ReplicaState.FAILED
+                log.error("replica crash-looping; not restarting", extra={"replica": self.replica.id})
+                return
+            # A replica that ran for a while before exiting starts its backoff afresh.
+            if now - started > self.policy.crash_loop_window_s:
+                backoff = self.policy.backoff_initial_s
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.policy.backoff_max_s)
+            self.replica.restarts += 1
+            if self._on_restart:
+                self._on_restart(self.replica)
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL."""
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except TimeoutError:
+                log.warning("replica ignored SIGTERM; killing", extra={"replica": self.replica.id})
+                _signal_group(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        # Workers the server spawned may outlive it; its group goes with it.
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGKILL)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

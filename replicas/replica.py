@@ -1,0 +1,132 @@
+"""One replica as the gateway sees it: where it is, whether to use it, how loaded it is.
+
+State machine::
+
+    starting ──/health ok──► healthy ◄──probe ok── down
+        │                      │  ▲                 ▲
+        │                      │  └─undrain─┐       │ probes fail / process exits
+        │                      └──drain──► draining ┘
+        └── crash loop ──► failed (managed replicas only; stays until restart)
+
+Besides the state, a passive circuit breaker counts consecutive proxy failures; while it
+is open the replica is skipped even if its /health still answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ReplicaState(str, Enum):
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    DRAINING = "draining"
+    DOWN = "down"
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class Breaker:
+    """Opens after ``threshold`` consecutive failures; half-opens after ``cooldown_s``."""
+
+    threshold: int
+    cooldown_s: float
+    failures: int = 0
+    opened_at: float | None = None
+
+    def allows(self, now: float) -> bool:
+        """Closed, or open long enough that one trial request may pass (half-open)."""
+        return self.opened_at is None or now - self.opened_at >= self.cooldown_s
+
+    def record_success(self) -> None:
+        self.failures = 0
+        self.opened_at = None
+
+    def record_failure(self, now: float) -> bool:
+        """Count a failure; True when this failure opened (or re-opened) the breaker."""
+        self.failures += 1
+        if self.failures >= self.threshold and (self.opened_at is None or self.allows(now)):
+            self.opened_at = now
+            return True
+        return False
+
+    @property
+    def is_open(self) -> bool:
+        return self.opened_at is not None
+
+
+@dataclass(slots=True)
+class Replica:
+    """A replica serving one model; load counters are this gateway's own view."""
+
+    id: str
+    base_url: str
+    model: str
+    tier: str
+    # The model name the replica itself serves (may differ from the public name).
+    served_model: str
+    managed: bool
+    breaker: Breaker
+    state: ReplicaState = ReplicaState.STARTING
+    outstanding_requests: int = 0
+    outstanding_tokens: int = 0
+    # Last values scraped from the replica's /metrics (vLLM metric name -> value).
+    gauges: dict[str, float] = field(default_factory=dict)
+    consecutive_probe_failures: int = 0
+    probe_failures: int = 0
+    restarts: int = 0
+
+    def routable(self, now: float) -> bool:
+        return self.state is ReplicaState.HEALTHY and self.breaker.allows(now)
+
+    def snapshot(self, now: float) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "tier": self.tier,
+            "url": self.base_url,
+            "managed": self.managed,
+            "state": self.state.value,
+            "breaker_open": self.breaker.is_open and not self.breaker.allows(now),
+            "outstanding_requests": self.outstanding_requests,
+            "outstanding_tokens": self.outstanding_tokens,
+            "restarts": self.restarts,
+            "gauges": dict(self.gauges),
+        }
+
+
+class Claim:
+    """The load one request puts on a replica, taken back as the replica works it off.
+
+    At dispatch the replica owes the whole prompt (prefill) and up to ``completion``
+    tokens; the first token pays off the prompt, each further token one completion token,
+    and ``release`` returns whatever is left (finished early, failed or cancelled).
+    """
+
+    __slots__ = ("_completion_left", "_prompt_left", "_released", "replica")
+
+    def __init__(self, replica: Replica, prompt: int, completion: int) -> None:
+        self.replica = replica
+        self._prompt_left = prompt
+        self._completion_left = completion
+        self._released = False
+        replica.outstanding_requests += 1
+        replica.outstanding_tokens += prompt + completion
+
+    def prefilled(self) -> None:
+        self.replica.outstanding_tokens -= self._prompt_left
+        self._prompt_left = 0
+
+    def generated(self, n: int) -> None:
+        n = min(n, self._completion_left)
+        self._completion_left -= n
+        self.replica.outstanding_tokens -= n
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.replica.outstanding_tokens -= self._prompt_left + self._completion_left
+        self.replica.outstanding_requests -= 1
+        self._prompt_left = self._completion_left = 0

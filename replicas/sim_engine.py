@@ -1,0 +1,127 @@
+"""The engine behind the simulated replica: what decides when each token comes out.
+
+The simulator's HTTP surface (``replicas.simulator``) speaks vLLM's API; everything about
+*timing* lives behind the small ``SimEngine`` protocol below, so a trivial fixed-rate engine
+(this module) and the faithful continuous-batching model (``replicas.sim_model``) slot in
+the same way.
+
+    engine.submit(SimRequest) -> SimStream      # admitted at once, tokens come later
+    async for piece in stream: ...               # one generated token's text per item
+    stream.cancel()                              # client left: free the slot
+    engine.gauges() -> {"vllm:num_requests_running": 3.0, ...}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# A simulated "token" is this many characters of text: close to what BPE tokenizers
+# average on English (OpenAI quotes ~4 characters per token).
+CHARS_PER_TOKEN = 4
+
+_WORDS = (
+    "the fleet serves tokens quickly while the gateway routes each request to a warm "
+    "replica and the cache answers repeated questions without a GPU"
+).split()
+
+
+def count_tokens(text: str) -> int:
+    """The simulator's tokenizer: one token per ``CHARS_PER_TOKEN`` characters (at least one)."""
+    return max(1, -(-len(text) // CHARS_PER_TOKEN))
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One generation request as the engine sees it."""
+
+    request_id: str
+    prompt: str
+    max_tokens: int
+    seed: int | None = None
+
+
+class SimStream(Protocol):
+    """Generated text, one token per item; ``finish_reason`` is set when iteration ends."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+
+    def __aiter__(self) -> AsyncIterator[str]: ...
+
+    def cancel(self) -> None: ...
+
+
+class SimEngine(Protocol):
+    """What a simulated GPU does with requests."""
+
+    def submit(self, request: SimRequest) -> SimStream: ...
+
+    def gauges(self) -> dict[str, float]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class FixedRateConfig:
+    """Every request waits ``ttft_s`` for its first token, then gets ``tokens_per_s``."""
+
+    ttft_s: float = 0.05
+    tokens_per_s: float = 50.0
+
+
+@dataclass
+class _FixedRateStream:
+    engine: FixedRateEngine
+    request: SimRequest
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    _cancelled: bool = field(default=False, repr=False)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        cfg = self.engine.config
+        rng = random.Random(self.request.seed if self.request.seed is not None else self.request.prompt)
+        self.engine.running += 1
+        try:
+            await asyncio.sleep(cfg.ttft_s)
+            gap = 1.0 / cfg.tokens_per_s if cfg.tokens_per_s > 0 else 0.0
+            for i in range(self.request.max_tokens):
+                if self._cancelled:
+                    self.finish_reason = "abort"
+                    return
+                if i:
+                    await asyncio.sleep(gap)
+                self.completion_tokens += 1
+                yield (" " if i else "") + rng.choice(_WORDS)
+            self.finish_reason = "length"
+        finally:
+            self.engine.running -= 1
+
+
+class FixedRateEngine:
+    """Unlimited parallelism, constant TTFT and decode speed: the simplest honest stand-in."""
+
+    def __init__(self, config: FixedRateConfig) -> None:
+        self.config = config
+        self.running = 0
+
+    def submit(self, request: SimRequest) -> SimStream:
+        return _FixedRateStream(self, request, count_tokens(request.prompt))
+
+    def gauges(self) -> dict[str, float]:
+        return {
+            "vllm:num_requests_running": float(self.running),
+            "vllm:num_requests_waiting": 0.0,
+            "vllm:kv_cache_usage_perc": 0.0,
+        }
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,196 @@
+"""Run gateways and upstreams for integration tests, in-process or as real processes.
+
+In-process gateways share the test's event loop, so a test can hold the ``Gateway`` and
+look at its replicas; ``GatewayProcess`` runs the real ``fleetgate serve`` command.
+``FaultyUpstream`` is a vLLM-shaped server that fails on cue (a 5xx, a dropped
+connection, a stall): a real vLLM cannot be made to fail at a chosen moment, so this is
+the one stand-in; healthy upstreams are the real simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import yaml
+from aiohttp import web
+
+from gateway.app import Gateway, create_app
+from gateway.settings import Settings, hash_key
+from replicas.launcher import free_port
+from replicas.sim_engine import FixedRateConfig, FixedRateEngine
+from replicas.simulator import create_app as create_sim_app
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "sk-test-tenant"
+OTHER_KEY = "sk-test-other"
+
+
+def tenants() -> list[dict[str, Any]]:
+    return [
+        {"id": "t1", "api_keys": ["sha256:" + hash_key(API_KEY)]},
+        {"id": "t2", "api_keys": ["sha256:" + hash_key(OTHER_KEY)]},
+    ]
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: web.Application) -> AsyncIterator[str]:
+    """Serve an aiohttp app on a free loopback port; yields its base URL."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def sim_upstream(model: str, ttft_ms: float = 5, tokens_per_s: float = 2000) -> AsyncIterator[str]:
+    engine = FixedRateEngine(FixedRateConfig(ttft_s=ttft_ms / 1000, tokens_per_s=tokens_per_s))
+    async with serve_app(create_sim_app(engine, model)) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def in_process_gateway(config: dict[str, Any], tmp_path: Path) -> AsyncIterator[tuple[str, Gateway, io.BytesIO]]:
+    """A gateway on this loop; waits until every replica is healthy."""
+    config = {"tenants": tenants(), **config}
+    config.setdefault("health", {"interval_s": 0.1, "timeout_s": 1.0})
+    settings = Settings(**config)
+    access = io.BytesIO()
+    gateway = Gateway(settings, log_dir=tmp_path / "logs", access_stream=access)
+    async with serve_app(create_app(gateway)) as url:
+        assert await gateway.fleet.wait_healthy(30, every=True), "replicas never became healthy"
+        yield url, gateway, access
+
+
+def access_lines(access: io.BytesIO) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in access.getvalue().splitlines()]
+
+
+class FaultyUpstream:
+    """A vLLM-shaped upstream whose chat endpoint misbehaves as told.
+
+    ``mode``: "500" (answers 500), "drop" (sends two token events, then cuts the
+    connection), "stall_first" (waits ``delay`` before the first event), "stall_mid"
+    (one event, then silence for ``delay``), "slow_stream" (an event every 50 ms until the
+    client leaves; records the disconnect in ``disconnected``).
+    """
+
+    def __init__(self, model: str, mode: str, delay: float = 0.0) -> None:
+        self.model, self.mode, self.delay = model, mode, delay
+        self.hits = 0
+        self.disconnected = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\n")
+
+    def _event(self, text: str) -> bytes:
+        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": self.model,
+                 "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        await request.read()
+        if self.mode == "500":
+            return web.json_response({"error": {"message": "engine dead"}}, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            if self.mode == "stall_first":
+                await asyncio.sleep(self.delay)
+            await response.write(self._event("one"))
+            if self.mode == "drop":
+                await response.write(self._event(" two"))
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            if self.mode == "stall_mid":
+                await asyncio.sleep(self.delay)
+            if self.mode == "slow_stream":
+                for _ in range(400):
+                    await asyncio.sleep(0.05)
+                    await response.write(self._event(" more"))
+            await response.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionError):
+            self.disconnected.set()
+            raise
+        return response
+
+
+class GatewayProcess:
+    """``fleetgate serve --config FILE`` as a real process (managed replicas and all)."""
+
+    def __init__(self, config: dict[str, Any], tmp_path: Path) -> None:
+        self.port = free_port()
+        config = {"tenants": tenants(), **config, "server": {"port": self.port, **config.get("server", {})}}
+        self.config_path = tmp_path / "gateway.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.stdout_path = tmp_path / "gateway.stdout"
+        self.stderr_path = tmp_path / "gateway.stderr"
+        self.log_dir = tmp_path / "logs"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready_timeout: float = 60.0) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config_path),
+                 "--log-dir", str(self.log_dir)],
+                stdout=out, stderr=err, env=env, cwd=ROOT,
+            )
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited: {self.stderr_path.read_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/readyz", timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"gateway not ready: {self.stderr_path.read_text()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text()
+
+
+@contextlib.contextmanager
+def gateway_process(config: dict[str, Any], tmp_path: Path) -> Iterator[GatewayProcess]:
+    gw = GatewayProcess(config, tmp_path)
+    gw.start()
+    try:
+        yield gw
+    finally:
+        if gw.proc is not None and gw.proc.poll() is None:
+            gw.stop()

@@ -1,0 +1,40 @@
+"""API key lookup."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.auth import KeyRing
+from gateway.errors import Unauthorized
+from gateway.settings import hash_key
+
+
+def ring() -> KeyRing:
+    keyring, missing = KeyRing.build(
+        [("acme", ["sha256:" + hash_key("sk-a")]), ("beta", ["env:BETA_KEY", "env:UNSET_KEY"])],
+        environ={"BETA_KEY": "sk-b"},
+    )
+    assert missing == ["UNSET_KEY"]
+    return keyring
+
+
+def test_keys_map_to_tenants() -> None:
+    keyring = ring()
+    assert keyring.owner_of("Bearer sk-a") == "acme"
+    assert keyring.owner_of("bearer sk-b") == "beta"
+    assert len(keyring) == 2
+
+
+@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Basic sk-a", "sk-a", "Bearer sk-c"])
+def test_bad_credentials_are_401(header: str | None) -> None:
+    with pytest.raises(Unauthorized) as info:
+        ring().owner_of(header)
+    assert info.value.status == 401
+    assert info.value.code == "invalid_api_key"
+    assert "sk-a" not in info.value.message
+
+
+def test_one_key_for_two_tenants_is_refused() -> None:
+    digest = "sha256:" + hash_key("k")
+    with pytest.raises(ValueError, match="both"):
+        KeyRing.build([("a", [digest]), ("b", [digest])], environ={})

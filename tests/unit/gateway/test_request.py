@@ -1,0 +1,119 @@
+"""Parsing and validating OpenAI bodies."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.errors import BadRequest
+from gateway.request import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, Endpoint, parse_call
+
+
+def chat(**fields: object) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello world!"}], **fields}
+    return orjson.dumps(body)
+
+
+def test_chat_call_fields() -> None:
+    call = parse_call(Endpoint.CHAT, chat(max_tokens=7, stream=True, stream_options={"include_usage": True}))
+    assert call.model == "m"
+    assert call.stream is True
+    assert call.client_wants_usage is True
+    assert call.max_tokens == 7
+    # 12 characters of content + 4 tokens of framing = (12 + 16) // 4 = 7
+    assert call.prompt_tokens_estimate == (12 + TOKENS_PER_MESSAGE * CHARS_PER_TOKEN) // CHARS_PER_TOKEN == 7
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert parse_call(Endpoint.CHAT, chat(max_tokens=5, max_completion_tokens=9)).max_tokens == 9
+
+
+def test_raw_bytes_forwarded_when_nothing_changes() -> None:
+    raw = chat()
+    call = parse_call(Endpoint.CHAT, raw)
+    assert call.upstream_body("m") is raw
+
+
+def test_stream_without_usage_asks_upstream_for_usage() -> None:
+    call = parse_call(Endpoint.CHAT, chat(stream=True))
+    assert call.client_wants_usage is False
+    body = orjson.loads(call.upstream_body("m"))
+    assert body["stream_options"] == {"include_usage": True}
+
+
+def test_served_model_rewritten() -> None:
+    call = parse_call(Endpoint.CHAT, chat(model="auto"))
+    assert orjson.loads(call.upstream_body("real"))["model"] == "real"
+
+
+def test_completions_prompt_forms() -> None:
+    assert parse_call(Endpoint.COMPLETIONS, b'{"model":"m","prompt":"abcdefgh"}').prompt_tokens_estimate == 2
+    assert parse_call(Endpoint.COMPLETIONS, b'{"model":"m","prompt":["abcd","efgh"]}').prompt_tokens_estimate == 2
+    assert parse_call(Endpoint.COMPLETIONS, b'{"model":"m","prompt":[1,2,3]}').prompt_tokens_estimate == 3
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "raw", "param", "fragment"),
+    [
+        (Endpoint.CHAT, b"", None, "empty"),
+        (Endpoint.CHAT, b"{not json", None, "not valid JSON"),
+        (Endpoint.CHAT, b"[1,2]", None, "JSON object"),
+        (Endpoint.CHAT, b'{"messages":[{"role":"user","content":"x"}]}', "model", "'model'"),
+        (Endpoint.CHAT, b'{"model":"m"}', "messages", "'messages'"),
+        (Endpoint.CHAT, b'{"model":"m","messages":[]}', "messages", "non-empty"),
+        (Endpoint.CHAT, b'{"model":"m","messages":["hi"]}', "messages[0]", "object"),
+        (Endpoint.CHAT, b'{"model":"m","messages":[{"content":"x"}]}', "messages[0].role", "role"),
+        (Endpoint.CHAT, b'{"model":"m","messages":[{"role":"user","content":5}]}', "messages[0].content", "string"),
+        (Endpoint.CHAT, b'{"model":"m","messages":[{"role":"user"}]}', "messages[0].content", "required"),
+        (Endpoint.COMPLETIONS, b'{"model":"m"}', "prompt", "'prompt'"),
+        (Endpoint.COMPLETIONS, b'{"model":"m","prompt":[1,"a"]}', "prompt", "'prompt'"),
+        (Endpoint.EMBEDDINGS, b'{"model":"m"}', "input", "'input'"),
+    ],
+)
+def test_bad_bodies_name_the_problem(endpoint: Endpoint, raw: bytes, param: str | None, fragment: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_call(endpoint, raw)
+    assert info.value.param == param
+    assert fragment in info.value.message
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stream", "yes"),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 2.5),
+        ("max_tokens", True),
+        ("n", 0),
+        ("temperature", 3),
+        ("temperature", "hot"),
+        ("top_p", 1.5),
+        ("stop", 7),
+        ("stop", ["a", 1]),
+        ("stream_options", {"include_usage": True}),  # without stream
+    ],
+)
+def test_wrong_types_rejected_with_param(field: str, value: object) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_call(Endpoint.CHAT, chat(**{field: value}))
+    assert info.value.param == field
+
+
+def test_assistant_tool_call_without_content_is_valid() -> None:
+    raw = orjson.dumps(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            ],
+        }
+    )
+    assert parse_call(Endpoint.CHAT, raw).model == "m"
+
+
+def test_embeddings_cannot_stream() -> None:
+    with pytest.raises(BadRequest):
+        parse_call(Endpoint.EMBEDDINGS, b'{"model":"m","input":"x","stream":true}')

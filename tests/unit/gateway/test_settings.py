@@ -1,0 +1,71 @@
+"""Loading and validating configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.settings import ConfigError, load_settings
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_example_config_loads() -> None:
+    settings = load_settings(ROOT / "config.example.yaml")
+    assert [m.name for m in settings.models] == ["fleetgate-sim"]
+    assert settings.models[0].replicas[0].count == 2
+    assert [t.id for t in settings.tenants] == ["dev"]
+
+
+def test_defaults_describe_a_laptop() -> None:
+    settings = load_settings(None)
+    assert settings.redis_url is None
+    assert settings.models[0].replicas[0].engine == "sim"
+    assert settings.uses_dev_tenant
+    assert [t.id for t in settings.effective_tenants()] == ["dev"]
+
+
+def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, "server: {port: 9000}\n")
+    monkeypatch.setenv("FLEETGATE_SERVER__PORT", "9100")
+    monkeypatch.setenv("FLEETGATE_REDIS_URL", "redis://r:6379/0")
+    settings = load_settings(path)
+    assert settings.server.port == 9100
+    assert settings.redis_url == "redis://r:6379/0"
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("server: {port: nope}\n", "server.port"),
+        ("server: {prot: 1}\n", "server.prot"),
+        ("models: [{name: a, replicas: [{url: 'ftp://x'}]}]\n", "models.0.replicas.0"),
+        ("models: [{name: a, replicas: [{url: 'http://x', engine: sim}]}]\n", "models.0.replicas.0"),
+        ("models: [{name: a, replicas: [{engine: vllm}]}]\n", "models.0.replicas.0"),
+        ("models: [{name: auto, replicas: [{engine: sim}]}]\n", "auto"),
+        ("tenants: [{id: a, api_keys: [plain-text-key]}]\n", "tenants.0.api_keys"),
+        ("tenants: [{id: a, api_keys: ['sha256:abc']}]\n", "tenants.0.api_keys"),
+        ("default_model: missing\n", "default_model"),
+    ],
+)
+def test_invalid_config_names_the_key(tmp_path: Path, text: str, where: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, text))
+    assert where in str(info.value)
+
+
+def test_yaml_syntax_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_settings(write(tmp_path, "models: [\n"))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_settings(tmp_path / "absent.yaml")

@@ -1,0 +1,87 @@
+"""The incremental SSE scanner: boundaries, token counts, usage handling."""
+
+from __future__ import annotations
+
+import orjson
+
+from gateway.sse import SseScanner, error_event
+
+
+def ev(payload: object) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+TOKEN = ev({"choices": [{"delta": {"content": "a"}}]})
+USAGE = ev({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+DONE = b"data: [DONE]\n\n"
+
+
+def test_complete_events_pass_through_untouched() -> None:
+    s = SseScanner(drop_usage=False)
+    out, n = s.feed(TOKEN + TOKEN)
+    assert out == TOKEN + TOKEN
+    assert n == 2
+    assert s.events == 2
+
+
+def test_partial_event_is_held_until_complete() -> None:
+    s = SseScanner(drop_usage=False)
+    out, n = s.feed(TOKEN[:10])
+    assert (out, n) == (b"", 0)
+    assert s.pending == TOKEN[:10]
+    out, n = s.feed(TOKEN[10:] + TOKEN[:5])
+    assert (out, n) == (TOKEN, 1)
+    assert s.pending == TOKEN[:5]
+
+
+def test_usage_kept_when_client_asked() -> None:
+    s = SseScanner(drop_usage=False)
+    out, n = s.feed(TOKEN + USAGE + DONE)
+    assert out == TOKEN + USAGE + DONE
+    # one token; the usage-only event and [DONE] are not tokens
+    assert n == 1
+    assert s.done
+    assert s.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_usage_dropped_when_client_did_not_ask() -> None:
+    s = SseScanner(drop_usage=True)
+    out, _ = s.feed(TOKEN + USAGE + DONE)
+    assert out == TOKEN + DONE
+    assert s.usage is not None and s.usage["completion_tokens"] == 2
+
+
+def test_usage_split_across_chunks() -> None:
+    s = SseScanner(drop_usage=True)
+    block = TOKEN + USAGE + DONE
+    cut = len(TOKEN) + 20
+    first, _ = s.feed(block[:cut])
+    second, _ = s.feed(block[cut:])
+    assert first + second == TOKEN + DONE
+    assert s.usage is not None
+
+
+def test_null_usage_fields_are_not_parsed_or_dropped() -> None:
+    chunk = ev({"choices": [{"delta": {"content": "a"}}], "usage": None})
+    s = SseScanner(drop_usage=True)
+    out, n = s.feed(chunk)
+    assert out == chunk
+    assert n == 1
+    assert s.usage is None
+
+
+def test_usage_on_a_token_event_is_read_but_not_dropped() -> None:
+    chunk = ev({"choices": [{"delta": {"content": "a"}}], "usage": {"completion_tokens": 1}})
+    s = SseScanner(drop_usage=True)
+    out, n = s.feed(chunk)
+    assert out == chunk
+    assert n == 1
+    assert s.usage == {"completion_tokens": 1}
+
+
+def test_error_event_shape() -> None:
+    raw = error_event("boom", "upstream_stream_error")
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+    assert orjson.loads(raw[6:]) == {
+        "error": {"message": "boom", "type": "server_error", "param": None, "code": "upstream_stream_error"}
+    }
