@@ -36,6 +36,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 bench-overhead: $(STAMP)
+	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq nginx-light wrk)
 	$(BIN)/python bench/overhead.py
 
 clean:

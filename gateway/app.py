@@ -122,9 +122,9 @@ class Gateway:
             raise
         except Exception:
             log.exception("unexpected error", extra={"request_id": request_id})
-            err = InternalError("The gateway hit an unexpected error; it has been logged.")
-            status, error_code = err.status, err.code
-            return _error_response(err, headers)
+            internal = InternalError("The gateway hit an unexpected error; it has been logged.")
+            status, error_code = internal.status, internal.code
+            return _error_response(internal, headers)
         finally:
             # 8 settle: limits, metrics, one log line
             self.metrics.in_flight.dec()

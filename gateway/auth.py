@@ -77,4 +77,3 @@ class KeyRing:
 
     def __len__(self) -> int:
         return len(self._owners)
-

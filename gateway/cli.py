@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import getpass
 import logging
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ async def serve(settings: Settings, *, log_dir: Path) -> None:
 
     from gateway.app import Gateway, create_app
 
+    _raise_file_limit()
     gateway = Gateway(settings, log_dir=log_dir)
     app = create_app(gateway)
     # handler_cancellation: a client that disconnects cancels its handler at once, which
@@ -31,8 +33,10 @@ async def serve(settings: Settings, *, log_dir: Path) -> None:
     await runner.setup()
     site = web.TCPSite(runner, settings.server.host, settings.server.port, backlog=2048, reuse_address=True)
     await site.start()
-    log.info("listening", extra={"address": f"http://{settings.server.host}:{settings.server.port}",
-                                 **settings_digest(settings)})
+    log.info(
+        "listening",
+        extra={"address": f"http://{settings.server.host}:{settings.server.port}", **settings_digest(settings)},
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -44,6 +48,13 @@ async def serve(settings: Settings, *, log_dir: Path) -> None:
     finally:
         await runner.cleanup()
     log.info("stopped")
+
+
+def _raise_file_limit() -> None:
+    """Each stream holds two sockets (client and replica); 1,024 descriptors is too few."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

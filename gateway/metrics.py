@@ -85,46 +85,70 @@ class GatewayMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "fleetgate_requests", "Requests answered, by endpoint, model and HTTP status.",
-            ["endpoint", "model", "status"], registry=r,
+            "fleetgate_requests",
+            "Requests answered, by endpoint, model and HTTP status.",
+            ["endpoint", "model", "status"],
+            registry=r,
         )
         self.latency = Histogram(
-            "fleetgate_request_duration_seconds", "Time from request to last byte sent.",
-            ["endpoint", "model"], buckets=LATENCY_BUCKETS, registry=r,
+            "fleetgate_request_duration_seconds",
+            "Time from request to last byte sent.",
+            ["endpoint", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
-            "fleetgate_time_to_first_token_seconds", "Time from request to the first token event sent.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            "fleetgate_time_to_first_token_seconds",
+            "Time from request to the first token event sent.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = TokenGapHistogram(
-            "fleetgate_inter_token_latency_seconds", "Gap between token events relayed to the client.",
-            ITL_BUCKETS, ["model"],
+            "fleetgate_inter_token_latency_seconds",
+            "Gap between token events relayed to the client.",
+            ITL_BUCKETS,
+            ["model"],
         )
         r.register(self.itl)
         self.tokens = Counter(
-            "fleetgate_tokens", "Tokens by direction (prompt/completion), as reported by replicas.",
-            ["tenant", "model", "direction"], registry=r,
+            "fleetgate_tokens",
+            "Tokens by direction (prompt/completion), as reported by replicas.",
+            ["tenant", "model", "direction"],
+            registry=r,
         )
         self.in_flight = Gauge("fleetgate_requests_in_flight", "Requests being served now.", registry=r)
         self.overhead = Histogram(
             "fleetgate_overhead_seconds",
             "Gateway's own time per request: total minus time waiting on the upstream.",
-            ["endpoint"], buckets=OVERHEAD_BUCKETS, registry=r,
+            ["endpoint"],
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
         )
         self.upstream_errors = Counter(
-            "fleetgate_upstream_errors", "Failed upstream attempts by replica and kind.",
-            ["replica", "kind"], registry=r,
+            "fleetgate_upstream_errors",
+            "Failed upstream attempts by replica and kind.",
+            ["replica", "kind"],
+            registry=r,
         )
         self.retries = Counter("fleetgate_retries", "Attempts retried on another replica.", ["model"], registry=r)
         self.stream_errors = Counter(
-            "fleetgate_stream_errors", "Streams ended with an error event after the first byte.", ["model"],
+            "fleetgate_stream_errors",
+            "Streams ended with an error event after the first byte.",
+            ["model"],
             registry=r,
         )
         self.client_disconnects = Counter(
-            "fleetgate_client_disconnects", "Requests whose client left before the end.", ["model"], registry=r,
+            "fleetgate_client_disconnects",
+            "Requests whose client left before the end.",
+            ["model"],
+            registry=r,
         )
         self.config_reloads = Counter(
-            "fleetgate_config_reloads", "Configuration reloads by result (ok/error).", ["result"], registry=r,
+            "fleetgate_config_reloads",
+            "Configuration reloads by result (ok/error).",
+            ["result"],
+            registry=r,
         )
 
 
@@ -140,7 +164,9 @@ class FleetCollector(Collector):
         healthy = GaugeMetricFamily(
             "fleetgate_replica_healthy", "1 when the replica is routable.", labels=["replica", "model"]
         )
-        state = GaugeMetricFamily("fleetgate_replica_state", "1 for the replica's current state.", labels=["replica", "state"])
+        state = GaugeMetricFamily(
+            "fleetgate_replica_state", "1 for the replica's current state.", labels=["replica", "state"]
+        )
         tokens = GaugeMetricFamily(
             "fleetgate_replica_outstanding_tokens", "Tokens each replica owes this gateway.", labels=["replica"]
         )

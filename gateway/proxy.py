@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
-from gateway.metrics import Gaps, GatewayMetrics
+from gateway.metrics import GatewayMetrics
 from gateway.request import Call
 from gateway.settings import UpstreamSettings
 from gateway.sse import SseScanner, error_event

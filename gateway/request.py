@@ -8,7 +8,7 @@ accepts many extensions. Errors name the offending parameter in OpenAI's ``param
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import orjson
@@ -23,7 +23,7 @@ CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
 
 
-class Endpoint(str, Enum):
+class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
     EMBEDDINGS = "/v1/embeddings"
@@ -107,8 +107,10 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
     _number_in(body, "presence_penalty", -2.0, 2.0)
     _number_in(body, "frequency_penalty", -2.0, 2.0)
     stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (
-        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    if (
+        stop is not None
+        and not isinstance(stop, str)
+        and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
         raise BadRequest("'stop' must be a string or a list of strings.", param="stop")
 
@@ -140,9 +142,7 @@ def _chat_chars(messages: Any) -> int:
         elif isinstance(content, list):
             for part in content:
                 if not isinstance(part, dict):
-                    raise BadRequest(
-                        f"'messages[{i}].content' parts must be objects.", param=f"messages[{i}].content"
-                    )
+                    raise BadRequest(f"'messages[{i}].content' parts must be objects.", param=f"messages[{i}].content")
                 text = part.get("text")
                 if isinstance(text, str):
                     chars += len(text)
@@ -167,9 +167,7 @@ def _prompt_chars(prompt: Any) -> int:
             return len(prompt) * CHARS_PER_TOKEN
         if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
             return sum(len(p) for p in prompt) * CHARS_PER_TOKEN
-    raise BadRequest(
-        "'prompt' is required: a string, an array of strings, or an array of token ids.", param="prompt"
-    )
+    raise BadRequest("'prompt' is required: a string, an array of strings, or an array of token ids.", param="prompt")
 
 
 def _embedding_chars(value: Any) -> int:

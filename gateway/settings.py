@@ -164,9 +164,7 @@ class Settings(BaseSettings):
     # What model "auto" means until the classifier picks tiers; default: the first model.
     default_model: str | None = None
     models: list[ModelSettings] = Field(
-        default_factory=lambda: [
-            ModelSettings(name="fleetgate-sim", replicas=[ReplicaSettings(engine="sim", count=2)])
-        ]
+        default_factory=lambda: [ModelSettings(name="fleetgate-sim", replicas=[ReplicaSettings(engine="sim", count=2)])]
     )
     tenants: list[TenantSettings] = []
     admin_api_keys: list[str] = []
@@ -270,7 +268,9 @@ def _describe(exc: ValidationError, path: str | Path | None) -> str:
 def settings_digest(settings: Settings) -> dict[str, Any]:
     """A loggable view of the settings: no key hashes, no Redis credentials."""
     return {
-        "models": [{"name": m.name, "tier": m.tier, "replicas": sum(r.count for r in m.replicas)} for m in settings.models],
+        "models": [
+            {"name": m.name, "tier": m.tier, "replicas": sum(r.count for r in m.replicas)} for m in settings.models
+        ],
         "tenants": [t.id for t in settings.effective_tenants()],
         "redis": "configured" if settings.redis_url else "memory",
     }

@@ -31,10 +31,21 @@ log = logging.getLogger("fleetgate.fleet")
 def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> list[str]:
     sim = rs.sim
     argv = [
-        sys.executable, "-m", "replicas.simulator",
-        "--port", str(port), "--model", served_model,
-        "--ttft-ms", str(sim.ttft_ms), "--tokens-per-s", str(sim.tokens_per_s),
-        "--seed", str(sim.seed + index), "--time-scale", str(sim.time_scale),
+        sys.executable,
+        "-m",
+        "replicas.simulator",
+        "--port",
+        str(port),
+        "--model",
+        served_model,
+        "--ttft-ms",
+        str(sim.ttft_ms),
+        "--tokens-per-s",
+        str(sim.tokens_per_s),
+        "--seed",
+        str(sim.seed + index),
+        "--time-scale",
+        str(sim.time_scale),
     ]
     if sim.profile:
         argv += ["--profile", sim.profile]
@@ -44,9 +55,18 @@ def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> l
 def vllm_argv(port: int, served_model: str, rs: ReplicaSettings) -> list[str]:
     assert rs.model_path is not None
     return [
-        rs.python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", rs.model_path, "--served-model-name", served_model,
-        "--host", "127.0.0.1", "--port", str(port), *rs.args,
+        rs.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        rs.model_path,
+        "--served-model-name",
+        served_model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *rs.args,
     ]
 
 
@@ -138,7 +158,8 @@ class Fleet:
             if replica.state is ReplicaState.HEALTHY:
                 replica.state = ReplicaState.DRAINING
         deadline = self.clock() + grace_s
-        while any(r.outstanding_requests for r in self.all()) and self.clock() < deadline:
+        # Polled: in-flight counts change in the proxy, which knows nothing of draining.
+        while any(r.outstanding_requests for r in self.all()) and self.clock() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
     async def __aexit__(self, *exc: object) -> None:

@@ -90,7 +90,8 @@ class ManagedProcess:
 
     async def _spawn(self) -> None:
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.spec.log_path, "ab") as logfile:
+        # Opening a local log file once per (re)start is not worth a thread.
+        with open(self.spec.log_path, "ab") as logfile:  # noqa: ASYNC230
             self._proc = await asyncio.create_subprocess_exec(
                 *self.spec.argv,
                 stdin=asyncio.subprocess.DEVNULL,

@@ -15,10 +15,10 @@ is open the replica is skipped even if its /health still answers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class ReplicaState(str, Enum):
+class ReplicaState(StrEnum):
     STARTING = "starting"
     HEALTHY = "healthy"
     DRAINING = "draining"

@@ -97,7 +97,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": stream.finish_reason, "stop_reason": None}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": stream.finish_reason,
+            "stop_reason": None,
+        }
         obj = "text_completion"
     payload = {"id": rid, "object": obj, "created": created, "model": served, "choices": [choice], "usage": usage}
     return web.Response(body=orjson.dumps(payload), content_type="application/json")
@@ -203,7 +209,9 @@ def build_engine(
 ) -> SimEngine:
     """A fixed-rate engine, or the calibrated batching model when a profile is named."""
     if profile is None:
-        return FixedRateEngine(FixedRateConfig(ttft_s=ttft_ms / 1000 / time_scale, tokens_per_s=tokens_per_s * time_scale))
+        return FixedRateEngine(
+            FixedRateConfig(ttft_s=ttft_ms / 1000 / time_scale, tokens_per_s=tokens_per_s * time_scale)
+        )
     raise ValueError(f"unknown simulator profile {profile!r}")
 
 

@@ -110,8 +110,13 @@ class FaultyUpstream:
         return web.Response(text="vllm:num_requests_running 0\n")
 
     def _event(self, text: str) -> bytes:
-        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": self.model,
-                 "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+        chunk = {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+        }
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -161,9 +166,20 @@ class GatewayProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config_path),
-                 "--log-dir", str(self.log_dir)],
-                stdout=out, stderr=err, env=env, cwd=ROOT,
+                [
+                    sys.executable,
+                    "-m",
+                    "gateway.cli",
+                    "serve",
+                    "--config",
+                    str(self.config_path),
+                    "--log-dir",
+                    str(self.log_dir),
+                ],
+                stdout=out,
+                stderr=err,
+                env=env,
+                cwd=ROOT,
             )
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:

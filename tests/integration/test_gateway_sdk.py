@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -133,8 +132,7 @@ def test_body_too_large(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize("body", [b"{", b"", b"null", b'{"model": 1}'])
 def test_malformed_bodies_are_openai_errors(gateway: GatewayProcess, body: bytes) -> None:
-    r = httpx.post(f"{gateway.url}/v1/chat/completions", content=body,
-                   headers={"Authorization": f"Bearer {API_KEY}"})
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", content=body, headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 400
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 

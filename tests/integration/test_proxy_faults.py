@@ -84,10 +84,10 @@ async def test_all_replicas_failing_is_502(tmp_path: Path) -> None:
 async def test_cut_stream_ends_with_error_event(tmp_path: Path) -> None:
     bad = FaultyUpstream(MODEL, "drop")
     async with serve_app(bad.app()) as bad_url:
-        async with in_process_gateway(config(bad_url), tmp_path) as (url, gw, access):
+        async with in_process_gateway(config(bad_url), tmp_path) as (url, _, access):
             stream = await client(url).chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
             got: list[str] = []
-            with pytest.raises(openai.APIError, match="ended the stream early|broke"):
+            with pytest.raises(openai.APIError, match=r"ended the stream early|broke"):
                 async for chunk in stream:
                     got.append(chunk.choices[0].delta.content or "")
             assert got == ["one", " two"]  # what arrived was relayed, then the error
@@ -111,11 +111,14 @@ async def test_keepalive_comments_while_waiting_for_first_token(tmp_path: Path) 
     slow = FaultyUpstream(MODEL, "stall_first", delay=0.8)
     async with serve_app(slow.app()) as slow_url:
         async with in_process_gateway(config(slow_url, keepalive_interval_s=0.2), tmp_path) as (url, _, _):
-            async with aiohttp.ClientSession() as session, session.post(
-                f"{url}/v1/chat/completions",
-                json={"model": MODEL, "messages": MESSAGES, "stream": True},
-                headers={"Authorization": f"Bearer {API_KEY}"},
-            ) as resp:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": MODEL, "messages": MESSAGES, "stream": True},
+                    headers={"Authorization": f"Bearer {API_KEY}"},
+                ) as resp,
+            ):
                 raw = await resp.read()
             assert resp.status == 200
             assert raw.count(b": keep-alive\n\n") >= 2

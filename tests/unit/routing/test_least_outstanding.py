@@ -20,7 +20,12 @@ def test_fewest_outstanding_tokens_wins() -> None:
 
 
 def test_unroutable_and_excluded_are_skipped() -> None:
-    rs = [replica("a", 0, ReplicaState.DRAINING), replica("b", 0, ReplicaState.DOWN), replica("c", 900), replica("d", 1)]
+    rs = [
+        replica("a", 0, ReplicaState.DRAINING),
+        replica("b", 0, ReplicaState.DOWN),
+        replica("c", 900),
+        replica("d", 1),
+    ]
     assert pick_least_outstanding(rs, 0.0, random.Random(1), exclude={"d"}).id == "c"  # type: ignore[union-attr]
     assert pick_least_outstanding(rs, 0.0, random.Random(1), exclude={"c", "d"}) is None
 
