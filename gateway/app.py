@@ -19,6 +19,7 @@ from typing import IO, Any
 from aiohttp import web
 from prometheus_client import REGISTRY, generate_latest
 
+from gateway.admin import AdminApi
 from gateway.auth import KeyRing
 from gateway.errors import (
     GatewayError,
@@ -28,6 +29,7 @@ from gateway.errors import (
     PayloadTooLarge,
     RequestTimeout,
     ServiceUnavailable,
+    error_response,
 )
 from gateway.logs import AccessLog
 from gateway.metrics import FleetCollector, GatewayMetrics
@@ -61,7 +63,7 @@ class Gateway:
         self.clock = clock
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(access_stream, enabled=settings.server.access_log)
-        self.fleet = Fleet(settings.models, settings.health, log_dir=log_dir, clock=clock)
+        self.fleet = Fleet(settings.models, settings.health, restart=settings.restart, log_dir=log_dir, clock=clock)
         self.metrics.registry.register(FleetCollector(self.fleet.all, clock))
         self.proxy = Proxy(settings.upstream, self.metrics, clock)
         self.rng = random.Random()
@@ -114,7 +116,7 @@ class Gateway:
             return response
         except GatewayError as err:
             status, error_code = err.status, err.code
-            return _error_response(err, headers)
+            return error_response(err, headers)
         except asyncio.CancelledError:
             status, error_code = CLIENT_CLOSED, "client_closed"
             if model is not None:
@@ -124,7 +126,7 @@ class Gateway:
             log.exception("unexpected error", extra={"request_id": request_id})
             internal = InternalError("The gateway hit an unexpected error; it has been logged.")
             status, error_code = internal.status, internal.code
-            return _error_response(internal, headers)
+            return error_response(internal, headers)
         finally:
             # 8 settle: limits, metrics, one log line
             self.metrics.in_flight.dec()
@@ -219,7 +221,7 @@ class Gateway:
         try:
             self.keyring.owner_of(request.headers.get("Authorization"))
         except GatewayError as err:
-            return _error_response(err, headers)
+            return error_response(err, headers)
         names = ["auto", *self.fleet.by_model]
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "fleetgate"} for n in names]
         return web.json_response({"object": "list", "data": data}, headers=headers)
@@ -232,7 +234,7 @@ class Gateway:
         if self.ready and healthy:
             return web.json_response({"status": "ready", "healthy_replicas": healthy})
         err = ServiceUnavailable("Not ready: no healthy replica." if self.ready else "Not ready: starting or stopping.")
-        return _error_response(err, {})
+        return error_response(err, {})
 
     async def prometheus(self, _: web.Request) -> web.Response:
         # The gateway's own registry plus the process-wide one (limits, caches, process stats).
@@ -240,12 +242,12 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def not_found(self, request: web.Request) -> web.Response:
-        known = {e.value for e in Endpoint} | {"/v1/models", "/healthz", "/readyz", "/metrics"}
+        known = {e.value for e in Endpoint} | {"/v1/models", "/healthz", "/readyz", "/metrics", "/admin/fleet"}
         if request.path in known:
             err: GatewayError = MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
         else:
             err = NotFound(f"Unknown path {request.path}.", code="unknown_url")
-        return _error_response(err, {"x-request-id": _request_id(request)})
+        return error_response(err, {"x-request-id": _request_id(request)})
 
 
 def _request_id(request: web.Request) -> str:
@@ -253,12 +255,6 @@ def _request_id(request: web.Request) -> str:
     if sent and len(sent) <= _MAX_REQUEST_ID and sent.isprintable():
         return sent
     return os.urandom(12).hex()
-
-
-def _error_response(err: GatewayError, headers: dict[str, str]) -> web.Response:
-    return web.Response(
-        status=err.status, body=err.to_json(), content_type="application/json", headers={**headers, **err.headers}
-    )
 
 
 def create_app(gateway: Gateway) -> web.Application:
@@ -278,6 +274,7 @@ def create_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/healthz", gateway.healthz)
     app.router.add_get("/readyz", gateway.readyz)
     app.router.add_get("/metrics", gateway.prometheus)
+    AdminApi(gateway).add_routes(app)
     app.router.add_route("*", "/{tail:.*}", gateway.not_found)
     app.cleanup_ctx.append(_lifecycle)
     return app

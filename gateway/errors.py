@@ -23,6 +23,7 @@ Library exceptions (aiohttp, redis, orjson) are translated where they are caught
 from __future__ import annotations
 
 import orjson
+from aiohttp import web
 
 
 class GatewayError(Exception):
@@ -54,6 +55,13 @@ class GatewayError(Exception):
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
     """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def error_response(err: GatewayError, headers: dict[str, str]) -> web.Response:
+    """The HTTP response for ``err``, with the caller's headers (request id...)."""
+    return web.Response(
+        status=err.status, body=err.to_json(), content_type="application/json", headers={**headers, **err.headers}
+    )
 
 
 class BadRequest(GatewayError):

@@ -81,6 +81,18 @@ class HealthSettings(_Frozen):
     start_timeout_s: float = Field(600.0, gt=0)
 
 
+class RestartSettings(_Frozen):
+    """How managed replicas are restarted when they exit."""
+
+    backoff_initial_s: float = Field(1.0, gt=0)
+    backoff_max_s: float = Field(60.0, gt=0)
+    # This many exits within the window marks the replica failed (no more restarts).
+    crash_loop_count: int = Field(5, ge=1)
+    crash_loop_window_s: float = Field(300.0, gt=0)
+    # On shutdown, SIGTERM then this long before SIGKILL.
+    stop_timeout_s: float = Field(10.0, gt=0)
+
+
 class SimSettings(_Frozen):
     """Timing of a simulated replica (``engine: sim``)."""
 
@@ -159,6 +171,7 @@ class Settings(BaseSettings):
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     health: HealthSettings = HealthSettings()
+    restart: RestartSettings = RestartSettings()
     # Unset: limits and caches live in this process's memory.
     redis_url: str | None = None
     # What model "auto" means until the classifier picks tiers; default: the first model.

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from replicas.health import HealthChecker
-from replicas.launcher import LaunchSpec, ManagedProcess, RestartPolicy, free_port
+from replicas.launcher import LaunchSpec, ManagedProcess, free_port
 from replicas.replica import Breaker, Replica, ReplicaState
 
 if TYPE_CHECKING:
-    from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings
+    from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings, RestartSettings
 
 log = logging.getLogger("fleetgate.fleet")
 
@@ -79,12 +79,12 @@ class Fleet:
         health: HealthSettings,
         *,
         log_dir: Path,
-        restart_policy: RestartPolicy | None = None,
+        restart: RestartSettings,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._health_settings = health
         self._log_dir = log_dir
-        self._policy = restart_policy or RestartPolicy()
+        self._policy = restart
         self.clock = clock
         self.by_model: dict[str, list[Replica]] = {}
         self.tiers: dict[str, str] = {}
@@ -167,6 +167,6 @@ class Fleet:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        await asyncio.gather(*(p.stop(grace_s=10.0) for p in reversed(self.processes)))
+        await asyncio.gather(*(p.stop() for p in reversed(self.processes)))
         if self._session is not None:
             await self._session.close()

@@ -23,8 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from replicas.replica import Replica, ReplicaState
+
+if TYPE_CHECKING:
+    from gateway.settings import RestartSettings
 
 log = logging.getLogger("fleetgate.launcher")
 
@@ -46,14 +50,6 @@ def _die_with_parent() -> None:
 
 
 @dataclass(frozen=True)
-class RestartPolicy:
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 60.0
-    crash_loop_count: int = 5
-    crash_loop_window_s: float = 300.0
-
-
-@dataclass(frozen=True)
 class LaunchSpec:
     """How to start one replica."""
 
@@ -69,7 +65,7 @@ class ManagedProcess:
         self,
         replica: Replica,
         spec: LaunchSpec,
-        policy: RestartPolicy,
+        policy: RestartSettings,
         on_restart: Callable[[Replica], None] | None = None,
     ) -> None:
         self.replica = replica
@@ -102,6 +98,7 @@ class ManagedProcess:
                 preexec_fn=_die_with_parent,
             )
         self.replica.state = ReplicaState.STARTING
+        self.replica.pid = self._proc.pid
         log.info("replica started", extra={"replica": self.replica.id, "pid": self._proc.pid})
 
     async def _supervise(self) -> None:
@@ -135,9 +132,10 @@ class ManagedProcess:
             if self._on_restart:
                 self._on_restart(self.replica)
 
-    async def stop(self, grace_s: float) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL."""
         self._stopping = True
+        grace_s = self.policy.stop_timeout_s if grace_s is None else grace_s
         proc = self._proc
         if proc is not None and proc.returncode is None:
             _signal_group(proc.pid, signal.SIGTERM)

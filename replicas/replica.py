@@ -76,6 +76,8 @@ class Replica:
     consecutive_probe_failures: int = 0
     probe_failures: int = 0
     restarts: int = 0
+    # The process id of a managed replica (None for external ones).
+    pid: int | None = None
 
     def routable(self, now: float) -> bool:
         return self.state is ReplicaState.HEALTHY and self.breaker.allows(now)
@@ -92,6 +94,7 @@ class Replica:
             "outstanding_requests": self.outstanding_requests,
             "outstanding_tokens": self.outstanding_tokens,
             "restarts": self.restarts,
+            "pid": self.pid,
             "gauges": dict(self.gauges),
         }
 

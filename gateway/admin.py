@@ -1,0 +1,78 @@
+"""The admin API: look at the fleet, drain and undrain replicas (admin key required).
+
+GET  /admin/fleet                     every replica: state, load, scraped vLLM gauges
+POST /admin/replicas/{id}/drain       stop routing new requests to it
+POST /admin/replicas/{id}/undrain     route to it again (once its probes pass)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from gateway.errors import Forbidden, GatewayError, NotFound, error_response
+from replicas.replica import Replica, ReplicaState
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = logging.getLogger("fleetgate.admin")
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+class AdminApi:
+    """Handlers bound to one gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    def _authorize(self, request: web.Request) -> None:
+        if not len(self._gateway.admin_keyring):
+            raise Forbidden("The admin API is disabled: configure admin_api_keys.")
+        self._gateway.admin_keyring.owner_of(request.headers.get("Authorization"))
+
+    def guarded(self, handler: Handler) -> Handler:
+        async def wrapper(request: web.Request) -> web.Response:
+            try:
+                self._authorize(request)
+                return await handler(request)
+            except GatewayError as err:
+                return error_response(err, {})
+
+        return wrapper
+
+    async def fleet(self, _: web.Request) -> web.Response:
+        fleet = self._gateway.fleet
+        now = fleet.clock()
+        replicas = [r.snapshot(now) for r in fleet.all()]
+        return web.json_response({"replicas": replicas, "healthy": fleet.healthy_count()})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        replica = self._replica(request)
+        if replica.state is not ReplicaState.FAILED:
+            replica.state = ReplicaState.DRAINING
+        log.info("replica drained by operator", extra={"replica": replica.id})
+        return web.json_response(replica.snapshot(self._gateway.fleet.clock()))
+
+    async def undrain(self, request: web.Request) -> web.Response:
+        replica = self._replica(request)
+        if replica.state is ReplicaState.DRAINING:
+            # Back in rotation only if its last probe passed; otherwise the next good one decides.
+            replica.state = ReplicaState.HEALTHY if replica.consecutive_probe_failures == 0 else ReplicaState.DOWN
+        log.info("replica undrained by operator", extra={"replica": replica.id})
+        return web.json_response(replica.snapshot(self._gateway.fleet.clock()))
+
+    def _replica(self, request: web.Request) -> Replica:
+        replica = self._gateway.fleet.get(request.match_info["replica_id"])
+        if replica is None:
+            raise NotFound(f"No replica {request.match_info['replica_id']!r}.", code="replica_not_found")
+        return replica
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/admin/fleet", self.guarded(self.fleet))
+        app.router.add_post("/admin/replicas/{replica_id}/drain", self.guarded(self.drain))
+        app.router.add_post("/admin/replicas/{replica_id}/undrain", self.guarded(self.undrain))
