@@ -104,11 +104,23 @@ class SimSettings(_Frozen):
     time_scale: float = Field(1.0, gt=0)
 
 
+class KubernetesSource(_Frozen):
+    """vLLM pods found through the EndpointSlices of a Service (in-cluster credentials)."""
+
+    service: str = Field(min_length=1)
+    # Default: the namespace the gateway's pod runs in.
+    namespace: str | None = None
+    # The EndpointSlice port to use, by name or number (default: the slice's first port).
+    port: str | int | None = None
+    scheme: Literal["http", "https"] = "http"
+
+
 class ReplicaSettings(_Frozen):
-    """One replica source: an external ``url`` or a managed ``engine``."""
+    """One replica source: an external ``url``, a managed ``engine``, or ``kubernetes`` discovery."""
 
     url: str | None = None
     engine: Literal["sim", "vllm"] | None = None
+    kubernetes: KubernetesSource | None = None
     count: int = Field(1, ge=1, le=64)
     sim: SimSettings = SimSettings()
     # engine: vllm
@@ -120,13 +132,12 @@ class ReplicaSettings(_Frozen):
 
     @model_validator(mode="after")
     def _one_source(self) -> ReplicaSettings:
-        if (self.url is None) == (self.engine is None):
-            raise ValueError("give exactly one of 'url' (external) or 'engine' (managed)")
-        if self.url is not None:
-            if not self.url.startswith(("http://", "https://")):
-                raise ValueError("url must start with http:// or https://")
-            if self.count != 1:
-                raise ValueError("'count' applies to managed replicas only")
+        if sum(x is not None for x in (self.url, self.engine, self.kubernetes)) != 1:
+            raise ValueError("give exactly one of 'url' (external), 'engine' (managed) or 'kubernetes' (discovered)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError("url must start with http:// or https://")
+        if self.engine is None and self.count != 1:
+            raise ValueError("'count' applies to managed replicas only")
         if self.engine == "vllm" and not self.model_path:
             raise ValueError("engine 'vllm' needs 'model_path' (a local directory or a model id)")
         return self

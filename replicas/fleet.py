@@ -12,7 +12,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,7 @@ from replicas.launcher import LaunchSpec, ManagedProcess, free_port
 from replicas.replica import Breaker, Replica, ReplicaState
 
 if TYPE_CHECKING:
-    from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings, RestartSettings
+    from gateway.settings import HealthSettings, KubernetesSource, ModelSettings, ReplicaSettings, RestartSettings
 
 log = logging.getLogger("fleetgate.fleet")
 
@@ -92,17 +92,25 @@ class Fleet:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self.checker: HealthChecker | None = None
+        self.discovery: list[tuple[str, KubernetesSource]] = []
+        self._discovery_tasks: list[asyncio.Task[None]] = []
         for model in models:
             self.tiers[model.name] = model.tier
             self.by_model[model.name] = self._build(model)
 
+    def _breaker(self) -> Breaker:
+        return Breaker(self._health_settings.breaker_failures, self._health_settings.breaker_cooldown_s)
+
     def _build(self, model: ModelSettings) -> list[Replica]:
         replicas: list[Replica] = []
         for rs in model.replicas:
+            if rs.kubernetes is not None:
+                self.discovery.append((model.name, rs.kubernetes))
+                continue
             for _ in range(rs.count):
                 index = len(replicas)
                 rid = f"{model.name}-{index}"
-                breaker = Breaker(self._health_settings.breaker_failures, self._health_settings.breaker_cooldown_s)
+                breaker = self._breaker()
                 if rs.url is not None:
                     replicas.append(
                         Replica(rid, rs.url.rstrip("/"), model.name, model.tier, model.name, False, breaker)
@@ -120,6 +128,28 @@ class Fleet:
                 self.processes.append(ManagedProcess(replica, spec, self._policy))
                 replicas.append(replica)
         return replicas
+
+    def sync(self, model: str, desired: Mapping[str, str]) -> tuple[list[str], list[str]]:
+        """Make ``model``'s discovered replicas exactly ``desired`` (replica id -> base URL).
+
+        Idempotent: discovery hands over the whole desired set each time; only real
+        changes are applied and logged. New replicas start as ``starting`` and join the
+        rotation after their first good probe. Removed replicas leave the rotation at
+        once; requests already on them finish (their claims hold the replica).
+        """
+        current = self.by_model[model]
+        known = {r.id: r for r in current if not r.managed}
+        added = [rid for rid in desired if rid not in known or known[rid].base_url != desired[rid].rstrip("/")]
+        removed = [rid for rid in known if rid not in desired or rid in added]
+        if not added and not removed:
+            return [], []
+        keep = [r for r in current if r.id not in removed]
+        tier = self.tiers[model]
+        for rid in added:
+            keep.append(Replica(rid, desired[rid].rstrip("/"), model, tier, model, False, self._breaker()))
+        current[:] = keep  # in place: routing closures hold this list
+        log.info("fleet changed", extra={"model": model, "added": added, "removed": removed})
+        return added, [rid for rid in removed if rid not in added]
 
     def all(self) -> list[Replica]:
         return [r for rs in self.by_model.values() for r in rs]
@@ -139,7 +169,15 @@ class Fleet:
         )
         for proc in self.processes:
             proc.start()
-        self._health_task = asyncio.create_task(self.checker.run(self.all()), name="health")
+        for model, source in self.discovery:
+            from replicas.kubernetes import watch_endpoint_slices
+
+            self._discovery_tasks.append(
+                asyncio.create_task(
+                    watch_endpoint_slices(source, lambda d, m=model: self.sync(m, d)), name=f"k8s:{model}"
+                )
+            )
+        self._health_task = asyncio.create_task(self.checker.run(self.all), name="health")
         return self
 
     async def wait_healthy(self, timeout_s: float, *, every: bool = False) -> bool:
@@ -163,10 +201,11 @@ class Fleet:
             await asyncio.sleep(0.05)
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in [*self._discovery_tasks, self._health_task]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await asyncio.gather(*(p.stop() for p in reversed(self.processes)))
         if self._session is not None:
             await self._session.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import aiohttp
 
@@ -103,9 +103,8 @@ class HealthChecker:
             log.warning("replica down: probes failing", extra={"replica": replica.id})
             replica.state = ReplicaState.DOWN
 
-    async def run(self, replicas: Iterable[Replica]) -> None:
-        """Probe all replicas concurrently, every interval, until cancelled."""
-        targets = list(replicas)
+    async def run(self, replicas: Callable[[], Iterable[Replica]]) -> None:
+        """Probe all replicas (the current set, each round) concurrently, until cancelled."""
         while True:
-            await asyncio.gather(*(self.probe(r) for r in targets))
+            await asyncio.gather(*(self.probe(r) for r in replicas()))
             await asyncio.sleep(self._interval)
