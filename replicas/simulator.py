@@ -76,7 +76,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     seed = body.get("seed") if isinstance(body.get("seed"), int) else None
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     rid = f"{prefix}-{uuid.uuid4().hex}"
-    stream = engine.submit(SimRequest(request_id=rid, prompt=prompt, max_tokens=max_tokens, seed=seed))
+    try:
+        stream = engine.submit(SimRequest(request_id=rid, prompt=prompt, max_tokens=max_tokens, seed=seed))
+    except ValueError as exc:  # the prompt does not fit the context window
+        return _error(400, str(exc))
     created = int(time.time())
     try:
         if body.get("stream"):
@@ -212,7 +215,9 @@ def build_engine(
         return FixedRateEngine(
             FixedRateConfig(ttft_s=ttft_ms / 1000 / time_scale, tokens_per_s=tokens_per_s * time_scale)
         )
-    raise ValueError(f"unknown simulator profile {profile!r}")
+    from replicas.sim_engine_batched import BatchedSimEngine
+
+    return BatchedSimEngine.from_profile(profile, seed=seed, time_scale=time_scale)
 
 
 def create_app(engine: SimEngine, served_model: str) -> web.Application:
