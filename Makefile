@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU build of torch first, so the semantic cache's dependencies never pull a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,bench,semantic]'
+	$(BIN)/pip install --quiet -e '.[test,bench,semantic,kubernetes]'
 	touch $(STAMP)
 
 run: $(STAMP)

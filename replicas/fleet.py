@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import sys
 import time
@@ -93,6 +94,8 @@ class Fleet:
         self._health_task: asyncio.Task[None] | None = None
         self.checker: HealthChecker | None = None
         self.discovery: list[tuple[str, KubernetesSource]] = []
+        # Replica ids each discovery source (model, index in `discovery`) added.
+        self._owned: dict[tuple[str, int], set[str]] = {}
         self._discovery_tasks: list[asyncio.Task[None]] = []
         for model in models:
             self.tiers[model.name] = model.tier
@@ -129,16 +132,19 @@ class Fleet:
                 replicas.append(replica)
         return replicas
 
-    def sync(self, model: str, desired: Mapping[str, str]) -> tuple[list[str], list[str]]:
-        """Make ``model``'s discovered replicas exactly ``desired`` (replica id -> base URL).
+    def sync(self, model: str, desired: Mapping[str, str], *, source: int = 0) -> tuple[list[str], list[str]]:
+        """Make the replicas one discovery ``source`` of ``model`` found exactly ``desired``.
 
-        Idempotent: discovery hands over the whole desired set each time; only real
-        changes are applied and logged. New replicas start as ``starting`` and join the
-        rotation after their first good probe. Removed replicas leave the rotation at
-        once; requests already on them finish (their claims hold the replica).
+        ``desired`` maps replica id -> base URL. Idempotent: discovery hands over the
+        whole desired set each time; only real changes are applied and logged, and only to
+        the replicas this source added (a model may also have static or other discovered
+        replicas). New replicas start as ``starting`` and join the rotation after their
+        first good probe. Removed replicas leave the rotation at once; requests already
+        on them finish (their claims hold the replica).
         """
         current = self.by_model[model]
-        known = {r.id: r for r in current if not r.managed}
+        owned = self._owned.setdefault((model, source), set())
+        known = {r.id: r for r in current if r.id in owned}
         added = [rid for rid in desired if rid not in known or known[rid].base_url != desired[rid].rstrip("/")]
         removed = [rid for rid in known if rid not in desired or rid in added]
         if not added and not removed:
@@ -148,6 +154,8 @@ class Fleet:
         for rid in added:
             keep.append(Replica(rid, desired[rid].rstrip("/"), model, tier, model, False, self._breaker()))
         current[:] = keep  # in place: routing closures hold this list
+        owned.difference_update(removed)
+        owned.update(added)
         log.info("fleet changed", extra={"model": model, "added": added, "removed": removed})
         return added, [rid for rid in removed if rid not in added]
 
@@ -169,13 +177,12 @@ class Fleet:
         )
         for proc in self.processes:
             proc.start()
-        for model, source in self.discovery:
+        for index, (model, source) in enumerate(self.discovery):
             from replicas.kubernetes import watch_endpoint_slices
 
+            on_change = functools.partial(self.sync, model, source=index)
             self._discovery_tasks.append(
-                asyncio.create_task(
-                    watch_endpoint_slices(source, lambda d, m=model: self.sync(m, d)), name=f"k8s:{model}"
-                )
+                asyncio.create_task(watch_endpoint_slices(source, on_change), name=f"k8s:{model}:{index}")
             )
         self._health_task = asyncio.create_task(self.checker.run(self.all), name="health")
         return self
