@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
+from cache.entry import CachedCompletion, Kind, StreamCollector, from_json_response
+from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable, error_body
 from gateway.metrics import GatewayMetrics
 from gateway.request import Call
 from gateway.settings import UpstreamSettings
@@ -35,6 +36,7 @@ KEEPALIVE = b": keep-alive\n\n"
 DEFAULT_COMPLETION_ESTIMATE = 256
 
 Picker = Callable[[set[str]], Replica | None]
+T = TypeVar("T")
 
 
 class UpstreamFailure(Exception):
@@ -65,6 +67,13 @@ class Exchange:
     tried: set[str] = field(default_factory=set)
     # The client's stream, once prepared (keep-alives or the first event sent).
     response: web.StreamResponse | None = None
+    # Set when the answer may be cached: its kind ("chat"/"completion") and, once the
+    # response ended well, the answer itself.
+    cache_kind: Kind | None = None
+    cache_max_chars: int = 0
+    completion: CachedCompletion | None = None
+    # Token events relayed (settles limits when a broken stream never reported usage).
+    generated: int = 0
 
 
 class Proxy:
@@ -149,8 +158,11 @@ class Proxy:
                     parsed = orjson.loads(body)
                     if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
                         ex.usage = parsed["usage"]
+                if ex.cache_kind is not None:
+                    ex.completion = from_json_response(ex.cache_kind, body)
             else:
                 ex.error_code = "upstream_client_error"
+                body, ctype = openai_error_body(status, body), "application/json"
             return web.Response(status=status, body=body, content_type=ctype, headers=ex.headers)
         raise _exhausted(ex, last)
 
@@ -221,20 +233,24 @@ class Proxy:
     async def _open_with_keepalive(
         self, ex: Exchange, replica: Replica, request: web.Request
     ) -> tuple[aiohttp.ClientResponse | web.Response, bytes]:
-        opening = asyncio.ensure_future(self._open(ex, replica))
+        return await self.with_keepalive(ex, request, self._open(ex, replica))
+
+    async def with_keepalive(self, ex: Exchange, request: web.Request, work: Awaitable[T]) -> T:
+        """Await ``work``; meanwhile send a streaming client an SSE comment every interval."""
+        task = asyncio.ensure_future(work)
         try:
             while True:
-                done, _ = await asyncio.wait((opening,), timeout=self.settings.keepalive_interval_s)
+                done, _ = await asyncio.wait((task,), timeout=self.settings.keepalive_interval_s)
                 if done:
-                    return opening.result()
+                    return task.result()
                 if ex.response is None:
-                    ex.response = await self._prepare(ex, request)
+                    ex.response = await self.prepare(ex, request)
                 await ex.response.write(KEEPALIVE)
         finally:
-            if not opening.done():
-                opening.cancel()
+            if not task.done():
+                task.cancel()
                 with contextlib.suppress(BaseException):
-                    await opening
+                    await task
 
     async def _open(self, ex: Exchange, replica: Replica) -> tuple[aiohttp.ClientResponse | web.Response, bytes]:
         """Send the request and read the first chunk, within ``first_byte_timeout_s``."""
@@ -256,7 +272,10 @@ class Proxy:
                         raise UpstreamFailure("status", f"{replica.id} answered {status}", status)
                     ex.status = status
                     return web.Response(
-                        status=status, body=body, content_type=resp.content_type, headers=ex.headers
+                        status=status,
+                        body=openai_error_body(status, body),
+                        content_type="application/json",
+                        headers=ex.headers,
                     ), b""
                 first = await resp.content.readany()
                 if not first:
@@ -272,7 +291,7 @@ class Proxy:
                 resp.close()
             raise UpstreamFailure("connect", f"{replica.id}: {exc.__class__.__name__}") from exc
 
-    async def _prepare(self, ex: Exchange, request: web.Request) -> web.StreamResponse:
+    async def prepare(self, ex: Exchange, request: web.Request) -> web.StreamResponse:
         headers = dict(ex.headers)
         headers["Content-Type"] = "text/event-stream"
         headers["Cache-Control"] = "no-cache"
@@ -291,12 +310,15 @@ class Proxy:
         request: web.Request,
     ) -> web.StreamResponse:
         if ex.response is None:
-            ex.response = await self._prepare(ex, request)
+            ex.response = await self.prepare(ex, request)
         response = ex.response
         scanner = SseScanner(drop_usage=not ex.call.client_wants_usage)
+        collector = StreamCollector(ex.cache_kind, max_chars=ex.cache_max_chars) if ex.cache_kind else None
         gaps = self.metrics.itl.new_gaps()
         clock = self.clock
         out, n = scanner.feed(first)
+        if collector is not None:
+            collector.feed(out)
         now = clock()
         ex.first_token_at = now
         claim.prefilled()
@@ -314,6 +336,8 @@ class Proxy:
                         break
                     deadline.reschedule(loop.time() + gap)
                     out, n = scanner.feed(chunk)
+                    if collector is not None:
+                        collector.feed(out)
                     if n:
                         now = clock()
                         gaps.add((now - last) / n, n)
@@ -331,7 +355,10 @@ class Proxy:
         finally:
             ex.upstream_ended = clock()
             ex.usage = scanner.usage
+            ex.generated = scanner.events
             self.metrics.itl.merge((ex.call.model,), gaps)
+        if collector is not None and scanner.done and ex.error_code is None:
+            ex.completion = collector.result(scanner.usage)
         return response
 
     async def _broken(self, ex: Exchange, response: web.StreamResponse, message: str) -> None:
@@ -352,6 +379,25 @@ def _exhausted(ex: Exchange, last: UpstreamFailure | None) -> GatewayError:
     if last is not None and last.kind == "timeout":
         return GatewayTimeout(f"The replica did not answer in time after {ex.attempts} attempt(s).")
     return BadGateway(f"All {ex.attempts} attempt(s) to reach a replica failed.", code="upstream_error")
+
+
+def openai_error_body(status: int, body: bytes) -> bytes:
+    """A replica's 4xx body, in OpenAI's error shape whatever the replica sent.
+
+    vLLM's own errors already have it; a route it does not serve answers with
+    ``{"detail": "Not Found"}`` (e.g. /v1/embeddings on a generation model), and other
+    OpenAI-compatible servers vary.
+    """
+    with contextlib.suppress(orjson.JSONDecodeError):
+        parsed = orjson.loads(body)
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) and "message" in parsed["error"]:
+            return body
+    if status == 404:
+        message = "The replica does not serve this endpoint or model (404)."
+    else:
+        detail = body[:200].decode("utf-8", "replace").strip()
+        message = f"The replica refused the request ({status}): {detail}"
+    return error_body(message, "invalid_request_error", f"upstream_{status}")
 
 
 def _refusal(upstream: web.Response) -> GatewayError:
