@@ -1,0 +1,255 @@
+"""What the exact cache may answer, and under which key: pure functions over the parsed body.
+
+The key is a SHA-256 over a canonical form of everything that can change the answer. The
+list is one of exclusions, not inclusions: every body field is part of the key except the
+few below that only shape the delivery or label the request. A field this module has never
+heard of (a new OpenAI parameter, a vLLM extension such as ``top_k``, ``min_p``,
+``guided_json`` or ``chat_template_kwargs``) therefore splits the cache instead of being
+ignored; an unknown field costs a miss, never a wrong answer.
+
+Left out of the key (``NOT_IN_KEY``):
+
+    model            hashed separately (the name the client asked for, see ``exact_key``)
+    stream           a streamed and a non-streamed request share one entry; replay re-shapes
+    stream_options   delivery only (``include_usage`` is honoured at replay)
+    user, metadata   labels for the caller's bookkeeping
+    store            OpenAI's "keep for distillation" flag, not a generation parameter
+    service_tier     latency class, not content
+    priority, request_id   vLLM scheduling and tracing
+
+Canonical form (``canonical_body``): keys sorted at every depth, no whitespace (orjson
+re-serialises the parsed body, so the client's key order and spacing vanish), ``null``
+fields dropped (OpenAI treats them as absent), sampling numbers as floats (``0`` and
+``0.0`` are one temperature), ``stop: "x"`` as ``["x"]``, ``max_completion_tokens`` folded
+into ``max_tokens`` (both mean the same cap), and documented defaults dropped (``n: 1``,
+``top_p: 1``, penalties ``0``, ``logprobs: false``, ``echo: false``). Nothing inside
+``messages``, ``prompt`` or ``tools`` is rewritten: a chat template may render ``"text"``
+and ``[{"type": "text", ...}]`` differently, so they stay different keys.
+
+Tenant isolation: the tenant's scope is hashed into the digest *and* prefixes the key
+(``<scope>:<sha256 hex>``), so a hit across tenants would need a SHA-256 collision, and a
+store can place each tenant's entries under its own Redis hash tag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from cache.config import CacheSettings
+
+# Bump when the canonical form changes: old entries then simply stop matching.
+KEY_VERSION = "fg-exact-1"
+
+NOT_IN_KEY = frozenset(
+    {"model", "stream", "stream_options", "user", "metadata", "store", "service_tier", "priority", "request_id"}
+)
+# Sampling parameters whose integer and float spellings mean the same thing.
+FLOAT_FIELDS = frozenset(
+    {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty"}
+)
+# OpenAI's documented defaults: sending them is the same request as leaving them out.
+DEFAULTS: dict[str, Any] = {
+    "n": 1,
+    "top_p": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logprobs": False,
+    "echo": False,
+}
+
+ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+# Escaped in a scope so it cannot forge the ':' separator or a Redis hash tag.
+_SCOPE_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
+
+
+class Cacheability(StrEnum):
+    """Whether a request may use the exact cache; every other member is the reason not."""
+
+    CACHEABLE = "cacheable"
+    DISABLED = "disabled"  # the tenant turned the exact cache off
+    ENDPOINT = "endpoint"  # embeddings and unknown endpoints are not cached here
+    NONDETERMINISTIC = "nondeterministic"  # sampling without a seed (and no tenant opt-in)
+    MULTIPLE_CHOICES = "multiple_choices"  # n > 1
+    BATCH_PROMPT = "batch_prompt"  # several prompts in one completions request
+    LOGPROBS = "logprobs"  # the cache keeps text, not log-probabilities
+    NO_CACHE = "no_cache"  # Cache-Control: no-cache: no lookup (the answer may still be kept)
+    NO_STORE = "no_store"  # Cache-Control: no-store: lookup allowed, the answer is not kept
+
+
+@dataclass(frozen=True, slots=True)
+class CacheDirectives:
+    """What a request's ``Cache-Control`` header allows."""
+
+    lookup: bool = True  # False on no-cache (or max-age=0): do not answer from the cache
+    store: bool = True  # False on no-store: do not keep this answer
+
+
+def parse_cache_control(header: str | None) -> CacheDirectives:
+    """``Cache-Control`` request directives (RFC 9111 section 5.2.1), case-insensitive."""
+    if not header:
+        return CacheDirectives()
+    lookup, store = True, True
+    for part in header.split(","):
+        name, _, value = part.strip().partition("=")
+        name = name.strip().lower()
+        if name == "no-cache" or (name == "max-age" and value.strip().strip('"') == "0"):
+            lookup = False
+        elif name == "no-store":
+            store = False
+    return CacheDirectives(lookup=lookup, store=store)
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """What the exact cache does for one request; ``key`` is None when it does nothing."""
+
+    key: str | None
+    lookup: bool
+    store: bool
+    # Why the cache is (partly) bypassed, for the bypass metric; CACHEABLE when it is not.
+    reason: Cacheability
+
+    @property
+    def coalesce(self) -> bool:
+        """Share an in-flight answer only when the client allows both reading and keeping one."""
+        return self.lookup and self.store
+
+
+def plan_request(
+    scope: str,
+    model: str,
+    endpoint: str,
+    body: dict[str, Any],
+    settings: CacheSettings,
+    cache_control: str | None,
+) -> CachePlan:
+    """Decide lookup / store / coalesce for one request, and compute its key if any is needed."""
+    verdict = cacheability(endpoint, body, settings)
+    if verdict is not Cacheability.CACHEABLE:
+        return CachePlan(key=None, lookup=False, store=False, reason=verdict)
+    directives = parse_cache_control(cache_control)
+    if not directives.lookup and not directives.store:
+        return CachePlan(key=None, lookup=False, store=False, reason=Cacheability.NO_CACHE)
+    reason = Cacheability.CACHEABLE
+    if not directives.lookup:
+        reason = Cacheability.NO_CACHE
+    elif not directives.store:
+        reason = Cacheability.NO_STORE
+    key = exact_key(scope, model, endpoint, body)
+    return CachePlan(key=key, lookup=directives.lookup, store=directives.store, reason=reason)
+
+
+def endpoint_kind(endpoint: str) -> str | None:
+    """``"chat"`` or ``"completion"`` for the endpoints the exact cache serves, else None."""
+    return ENDPOINT_KINDS.get(endpoint)
+
+
+def cacheability(endpoint: str, body: dict[str, Any], settings: CacheSettings) -> Cacheability:
+    """Whether the exact cache may answer (and keep) this request, by the tenant's settings."""
+    if not settings.enabled:
+        return Cacheability.DISABLED
+    kind = endpoint_kind(endpoint)
+    if kind is None:
+        return Cacheability.ENDPOINT
+    n = body.get("n")
+    if n is not None and n != 1:
+        return Cacheability.MULTIPLE_CHOICES
+    if kind == "completion" and _is_batch(body.get("prompt")):
+        return Cacheability.BATCH_PROMPT
+    if _wants_logprobs(body):
+        return Cacheability.LOGPROBS
+    if not settings.cache_nondeterministic and not is_deterministic(body):
+        return Cacheability.NONDETERMINISTIC
+    return Cacheability.CACHEABLE
+
+
+def is_deterministic(body: dict[str, Any]) -> bool:
+    """Greedy decoding (temperature 0 or top_k 1) or a fixed seed.
+
+    An absent temperature is OpenAI's (and vLLM's) default of 1: sampling.
+    """
+    temperature = body.get("temperature")
+    if _is_number(temperature) and temperature == 0:
+        return True
+    top_k = body.get("top_k")
+    if _is_number(top_k) and top_k == 1:
+        return True
+    seed = body.get("seed")
+    return isinstance(seed, int) and not isinstance(seed, bool)
+
+
+def canonical_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields that change the answer, in one spelling (see the module docstring)."""
+    out: dict[str, Any] = {}
+    for name, value in body.items():
+        if name in NOT_IN_KEY or value is None:
+            continue
+        if name in FLOAT_FIELDS and _is_number(value):
+            value = float(value)
+        elif name == "stop":
+            if isinstance(value, str):
+                value = [value]
+            elif value == []:
+                continue
+        default = DEFAULTS.get(name, _NO_DEFAULT)
+        if default is not _NO_DEFAULT and type(value) is type(default) and value == default:
+            continue
+        out[name] = value
+    cap = out.pop("max_completion_tokens", None)
+    if cap is not None:
+        out["max_tokens"] = cap
+    return out
+
+
+def exact_key(scope: str, model: str, endpoint: str, body: dict[str, Any]) -> str:
+    """``<scope>:<sha256 hex>`` for the request ``body`` sent to ``endpoint`` for ``model``.
+
+    ``scope`` is the tenant id. ``model`` is what decides which weights answer: the name
+    the client asked for (so ``"auto"`` requests share entries among themselves, keyed by
+    their content, which is what the tier classifier looks at), plus any forced tier, e.g.
+    ``"auto@large"``, when a header overrides the classifier.
+    """
+    material = orjson.dumps(
+        [KEY_VERSION, scope, model, endpoint, canonical_body(body)],
+        option=orjson.OPT_SORT_KEYS,
+    )
+    return f"{escape_scope(scope)}:{hashlib.sha256(material).hexdigest()}"
+
+
+def escape_scope(scope: str) -> str:
+    """The scope as it appears in keys: no ``:``, ``{`` or ``}`` (percent-escaped)."""
+    return scope.translate(_SCOPE_ESCAPES)
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """``(escaped scope, digest)`` of a key made by ``exact_key``."""
+    scope, sep, digest = key.rpartition(":")
+    if not sep or not scope or not digest:
+        raise ValueError(f"not a cache key: {key!r}")
+    return scope, digest
+
+
+_NO_DEFAULT = object()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_batch(prompt: Any) -> bool:
+    # A list of strings or of token-id lists is several prompts; a flat id list is one.
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
+
+
+def _wants_logprobs(body: dict[str, Any]) -> bool:
+    logprobs = body.get("logprobs")
+    # Chat: logprobs=true; completions: logprobs=<int>, where even 0 asks for the sampled token's.
+    if logprobs is not None and logprobs is not False:
+        return True
+    return body.get("top_logprobs") is not None or body.get("prompt_logprobs") is not None

@@ -1,0 +1,112 @@
+"""Prometheus metrics of the response caches, all prefixed ``fleetgate_cache_``.
+
+Label values come from fixed sets: ``kind`` is ``exact`` or ``semantic``, ``result`` and
+``reason`` the values listed on each metric (``reason`` is a ``cache.keys.Cacheability``).
+No tenant label: per-tenant cache traffic follows from the gateway's request metrics and the
+``x-fleetgate-cache`` header in the access log. Metrics live on the registry passed in
+(the gateway's own), never implicitly on the process-wide one, so several gateways can share
+a test process.
+
+The hit ratio is exported for convenience over the process's lifetime; dashboards should
+use rates: ``sum(rate(fleetgate_cache_lookups_total{result="hit"}[5m])) /
+sum(rate(fleetgate_cache_lookups_total[5m]))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+KINDS = ("exact", "semantic")
+LOOKUP_RESULTS = ("hit", "miss", "timeout", "unavailable", "error")
+# A memory lookup takes microseconds, a Redis one a fraction of a millisecond; the buckets
+# stretch to the lookup timeout and a bit beyond, so slow calls show before they fail.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class CacheMetrics:
+    """The counters, histogram and gauges the cache service updates."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.lookups = Counter(
+            "fleetgate_cache_lookups_total",
+            "Cache lookups by kind and result (hit, miss, timeout, unavailable, error).",
+            ["kind", "result"],
+            registry=r,
+        )
+        self.lookup_latency = Histogram(
+            "fleetgate_cache_lookup_seconds",
+            "Time spent in cache lookups, by kind.",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stores = Counter(
+            "fleetgate_cache_stores_total",
+            "Answers offered to the cache, by kind and result (stored, too_large, timeout, unavailable, error).",
+            ["kind", "result"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "fleetgate_cache_evictions_total",
+            "Live entries evicted to keep a tenant within max_entries.",
+            ["kind"],
+            registry=r,
+        )
+        self.entries = Gauge(
+            "fleetgate_cache_entries",
+            "Entries held in this process (memory store only; Redis entries are not counted here).",
+            ["kind"],
+            registry=r,
+        )
+        self.bypass = Counter(
+            "fleetgate_cache_bypass_total",
+            "Requests that did not use the cache, by reason (nondeterministic, no_cache, disabled, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.coalesced = Counter(
+            "fleetgate_cache_coalesced_total",
+            "Requests that waited on an identical in-flight request, by outcome (hit, handoff, solo, timeout).",
+            ["result"],
+            registry=r,
+        )
+        self.degraded = Gauge(
+            "fleetgate_cache_store_degraded",
+            "1 while the shared cache store is bypassed (circuit breaker open or probing).",
+            registry=r,
+        )
+        self.hit_ratio = Gauge(
+            "fleetgate_cache_hit_ratio",
+            "Hits over lookups since the process started, by kind (use rates for dashboards).",
+            ["kind"],
+            registry=r,
+        )
+        # Plain tallies for the ratio: reading the counters back would re-enter the registry
+        # while it is being collected.
+        self._hits = dict.fromkeys(KINDS, 0)
+        self._total = dict.fromkeys(KINDS, 0)
+        for kind in KINDS:
+            self.hit_ratio.labels(kind).set_function(self._ratio(kind))
+
+    def record_lookup(self, kind: str, result: str, seconds: float) -> None:
+        """One lookup of ``kind`` ended with ``result`` (one of ``LOOKUP_RESULTS``) after ``seconds``."""
+        self.lookups.labels(kind, result).inc()
+        self.lookup_latency.labels(kind).observe(seconds)
+        self._total[kind] = self._total.get(kind, 0) + 1
+        if result == "hit":
+            self._hits[kind] = self._hits.get(kind, 0) + 1
+
+    def _ratio(self, kind: str) -> Callable[[], float]:
+        def ratio() -> float:
+            total = self._total[kind]
+            return self._hits[kind] / total if total else 0.0
+
+        return ratio
+
+    def sample(self, name: str, **labels: str) -> float:
+        """A current value, e.g. ``sample("fleetgate_cache_lookups_total", kind="exact", result="hit")``."""
+        return self.registry.get_sample_value(name, labels) or 0.0

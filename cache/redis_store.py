@@ -1,0 +1,193 @@
+"""The response cache in Redis, shared by every gateway process and kept across restarts.
+
+Layout: each scope (tenant) owns keys under one hash tag, so every script touches a single
+slot and runs unchanged on Redis Cluster::
+
+    fg:c:{<scope>}:e:<digest>   string: a CachedCompletion's bytes, with PX = the tenant's TTL
+    fg:c:{<scope>}:lru          sorted set: digest -> last use (µs since the epoch, Redis TIME)
+
+``set`` is one script: store the value with its TTL, stamp it in the LRU set, drop members
+whose values must have expired (last use older than the TTL), then evict the least recently
+used past ``max_entries`` and return how many live entries that removed. ``get`` is one
+script too: read the value and, on a hit, refresh its LRU stamp (not its TTL: an entry
+expires a fixed time after it was stored, however popular it is).
+
+Failure policy: every call is bounded (``lookup_timeout_s`` for ``get``, which sits on the
+request path; ``store_timeout_s`` for ``set``, which does not), and any failure is raised
+as ``CacheUnavailable``. A circuit breaker opens after ``breaker_failures`` consecutive
+failures: while it is open, calls fail at once without touching the network, so a dead
+Redis costs a request nothing; after the cool-down one probe call tests it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from cache.config import CacheServiceSettings
+from cache.keys import split_key
+from cache.store import CacheUnavailable
+from limits.breaker import BreakerConfig, CircuitBreaker
+
+log = logging.getLogger("fleetgate.cache")
+
+DEFAULT_PREFIX = "fg:c"
+DEFAULT_MAX_CONNECTIONS = 64
+
+# Scores are written as digit strings: Lua would print a 16-digit number in %.14g and lose
+# the microseconds that order entries used within the same millisecond.
+
+# KEYS: value key, LRU set. ARGV: member (digest).
+GET_SCRIPT = """
+local value = redis.call('GET', KEYS[1])
+if value then
+  local t = redis.call('TIME')
+  redis.call('ZADD', KEYS[2], 'XX', t[1] .. string.format('%06d', tonumber(t[2])), ARGV[1])
+end
+return value
+"""
+
+# KEYS: value key, LRU set. ARGV: value, ttl ms, max entries, member (digest), value-key prefix.
+SET_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local ttl = tonumber(ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+redis.call('ZADD', KEYS[2], t[1] .. string.format('%06d', tonumber(t[2])), ARGV[4])
+-- Last used before now - ttl means stored before that too: the value is gone already.
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.format('%.0f', now - ttl * 1000))
+redis.call('PEXPIRE', KEYS[2], ttl)
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
+local evicted = 0
+if excess > 0 then
+  for _, member in ipairs(redis.call('ZRANGE', KEYS[2], 0, excess - 1)) do
+    evicted = evicted + redis.call('DEL', ARGV[5] .. member)
+  end
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, excess - 1)
+end
+return evicted
+"""
+
+
+class RedisStore:
+    """Cached answers in Redis, bounded per scope, behind timeouts and a circuit breaker."""
+
+    def __init__(
+        self,
+        client: Redis,
+        *,
+        lookup_timeout_s: float,
+        store_timeout_s: float,
+        breaker: CircuitBreaker | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Callable[[], float] = time.monotonic,
+        owns_client: bool = True,
+    ) -> None:
+        self._client = client
+        self._lookup_timeout_s = lookup_timeout_s
+        self._store_timeout_s = store_timeout_s
+        self.breaker = breaker or CircuitBreaker()
+        self._prefix = prefix
+        self._clock = clock
+        self._owns_client = owns_client
+        self._get = client.register_script(GET_SCRIPT)
+        self._set = client.register_script(SET_SCRIPT)
+        self._closed = False
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        settings: CacheServiceSettings,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> RedisStore:
+        """A store with its own connection pool, tuned to fail fast."""
+        slowest = max(settings.lookup_timeout_s, settings.store_timeout_s)
+        pool = BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            # Waiting for a free connection counts against the lookup's deadline.
+            timeout=settings.lookup_timeout_s,
+            socket_timeout=slowest,
+            socket_connect_timeout=settings.lookup_timeout_s,
+            # No client-side retries: the breaker decides when Redis is tried again; a retry
+            # loop would multiply every request's latency while Redis is down.
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        breaker = CircuitBreaker(
+            BreakerConfig(failures=settings.breaker_failures, cooldown_s=settings.breaker_cooldown_s)
+        )
+        return cls(
+            Redis.from_pool(pool),  # owns the pool: closing the client closes it
+            lookup_timeout_s=settings.lookup_timeout_s,
+            store_timeout_s=settings.store_timeout_s,
+            breaker=breaker,
+            prefix=prefix,
+            clock=clock,
+        )
+
+    def redis_keys(self, key: str) -> tuple[str, str, str]:
+        """``(value key, LRU set, value-key prefix)`` of a cache key, under the scope's hash tag."""
+        scope, digest = split_key(key)
+        base = f"{self._prefix}:{{{scope}}}"
+        return f"{base}:e:{digest}", f"{base}:lru", f"{base}:e:"
+
+    @property
+    def degraded(self) -> bool:
+        """True while the breaker keeps calls away from Redis (open or probing)."""
+        return self.breaker.degraded
+
+    async def get(self, key: str) -> bytes | None:
+        value_key, lru, _ = self.redis_keys(key)
+        _, digest = split_key(key)
+        value = await self._guard(lambda: self._get(keys=[value_key, lru], args=[digest]), self._lookup_timeout_s)
+        return bytes(value) if value is not None else None
+
+    async def set(self, key: str, value: bytes, *, ttl_s: float, max_entries: int) -> int:
+        value_key, lru, value_prefix = self.redis_keys(key)
+        _, digest = split_key(key)
+        ttl_ms = max(1, round(ttl_s * 1000))
+        args: list[Any] = [value, ttl_ms, max_entries, digest, value_prefix]
+        evicted = await self._guard(lambda: self._set(keys=[value_key, lru], args=args), self._store_timeout_s)
+        return int(evicted)
+
+    async def _guard(self, call: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
+        if self._closed:
+            raise RuntimeError("RedisStore is closed")
+        if not self.breaker.allow(self._clock()):
+            raise CacheUnavailable("redis: circuit open", reason="circuit_open")
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await call()
+        except (RedisError, OSError, TimeoutError) as exc:
+            if self.breaker.record_failure(self._clock()):
+                log.warning("cache store unreachable; requests go on uncached", extra={"error": repr(exc)})
+            reason = "timeout" if isinstance(exc, TimeoutError | RedisTimeoutError) else "error"
+            raise CacheUnavailable(f"redis: {type(exc).__name__}: {exc}", reason=reason) from exc
+        except asyncio.CancelledError:
+            # Our caller gave up; say nothing about Redis, but free the half-open probe slot.
+            self.breaker.abandon_probe()
+            raise
+        if self.breaker.record_success():
+            log.info("cache store reachable again")
+        return result
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            await self._client.aclose()
