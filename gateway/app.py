@@ -8,6 +8,7 @@ admit -> cache -> classify -> route -> proxy -> settle, with one place that turn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -19,6 +20,12 @@ from typing import IO, Any
 from aiohttp import web
 from prometheus_client import REGISTRY, generate_latest
 
+from cache.coalesce import Leader
+from cache.entry import CachedCompletion
+from cache.keys import endpoint_kind
+from cache.metrics import CacheMetrics
+from cache.replay import new_completion_id, replay_json, replay_sse
+from cache.service import ResponseCache, create_cache_store
 from gateway.admin import AdminApi
 from gateway.auth import KeyRing
 from gateway.errors import (
@@ -27,6 +34,7 @@ from gateway.errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    RateLimited,
     RequestTimeout,
     ServiceUnavailable,
     error_response,
@@ -36,6 +44,11 @@ from gateway.metrics import FleetCollector, GatewayMetrics
 from gateway.proxy import Exchange, Picker, Proxy
 from gateway.request import Endpoint, parse_call
 from gateway.settings import DEV_API_KEY, Settings, TenantSettings
+from limits.breaker import BreakerConfig
+from limits.config import reservation
+from limits.decision import Decision, Lease
+from limits.limiter import LimiterOptions, create_limiter
+from limits.plan import Subject
 from replicas.fleet import Fleet
 from replicas.replica import Replica
 from routing.least_outstanding import pick_least_outstanding
@@ -66,6 +79,22 @@ class Gateway:
         self.fleet = Fleet(settings.models, settings.health, restart=settings.restart, log_dir=log_dir, clock=clock)
         self.metrics.registry.register(FleetCollector(self.fleet.all, clock))
         self.proxy = Proxy(settings.upstream, self.metrics, clock)
+        self.cache = ResponseCache(
+            create_cache_store(settings.redis_url, settings.cache),
+            settings.cache,
+            CacheMetrics(self.metrics.registry),
+        )
+        ls = settings.limits
+        self.limiter = create_limiter(
+            settings.redis_url,
+            options=LimiterOptions(
+                lease_ttl_s=ls.lease_ttl_s,
+                heartbeat_s=ls.heartbeat_s,
+                breaker=BreakerConfig(failures=ls.breaker_failures, cooldown_s=ls.breaker_cooldown_s),
+                redis_timeout_s=ls.redis_timeout_ms / 1000,
+            ),
+        )
+        self._background: set[asyncio.Task[None]] = set()
         self.rng = random.Random()
         self.ready = False
         self.apply_tenants(settings.effective_tenants(), settings.admin_api_keys)
@@ -73,7 +102,7 @@ class Gateway:
 
     def apply_tenants(self, tenants: list[TenantSettings], admin_keys: list[str]) -> None:
         """Swap in a new set of tenants and keys (start-up and hot reload)."""
-        entries = [(t.id, t.api_keys) for t in tenants]
+        entries = [(t.id, [k if isinstance(k, str) else (k.id, k.key) for k in t.api_keys]) for t in tenants]
         keyring, missing = KeyRing.build(entries)
         admin, missing_admin = KeyRing.build([("admin", admin_keys)])
         for var in missing + missing_admin:
@@ -91,26 +120,62 @@ class Gateway:
         tenant_id: str | None = None
         model: str | None = None
         ex: Exchange | None = None
+        lease: Lease | None = None
+        # Tokens a cache hit charges (None: settle on the replica's usage).
+        charged: int | None = None
         status = 500
         error_code: str | None = None
         self.metrics.in_flight.inc()
         try:
             # 1 authenticate
-            tenant_id = self.keyring.owner_of(request.headers.get("Authorization"))
+            key = self.keyring.owner_of(request.headers.get("Authorization"))
+            tenant_id = key.owner
+            tenant = self.tenants[tenant_id]
             # 2 read + parse
             call = parse_call(endpoint, await self._read_body(request))
-            # 3 admit (limits) and 4 cache lookup hook in here.
-            # 5 classify: "auto" -> a model of the right tier
+            ex = Exchange(call, request_id, headers, started)
+            # 5 classify: "auto" -> a model of the right tier. First, because an unknown
+            # model needs no admission, and the model that answers is part of the cache key.
             model = self._resolve_model(call.model)
             headers["x-fleetgate-tier"] = self.fleet.tiers[model]
+            # 3 admit: rate limits, concurrency, quotas (a rejection is a value, not a surprise)
+            reserve = reservation(call.prompt_tokens_estimate, call.max_tokens, tenant.limits)
+            decision = await self.limiter.admit(Subject(tenant.id, key.key_id, call.model), tenant.limits, reserve)
+            headers.update(decision.headers())
+            if not decision.allowed:
+                raise _rejection(decision)
+            lease = decision.lease
+            # 4 cache: a stored answer, or the same request already in flight
+            plan = self.cache.plan(
+                tenant.id, model, endpoint, call.body, tenant.cache, request.headers.get("Cache-Control")
+            )
+            leader: Leader | None = None
+            if plan.key is not None:
+                ex.cache_kind = endpoint_kind(endpoint)  # type: ignore[assignment]
+                ex.cache_max_chars = tenant.cache.max_entry_bytes
+                cached = await self.cache.lookup(plan.key) if plan.lookup else None
+                if cached is None and plan.coalesce:
+                    joined = await self.proxy.with_keepalive(
+                        ex, request, self.cache.coalesce(plan.key, self.settings.upstream.first_byte_timeout_s)
+                    )
+                    cached, leader = (joined, None) if isinstance(joined, CachedCompletion) else (None, joined)
+                if cached is not None:
+                    response = await self._replay(request, ex, cached)
+                    status = ex.status
+                    charged = ResponseCache.tokens_to_charge(cached, tenant.cache)
+                    return response
             headers["x-fleetgate-cache"] = "miss"
             # 6 route + 7 proxy
-            ex = Exchange(call, request_id, headers, started)
             pick = self._picker(model)
-            if call.stream:
-                response = await self.proxy.stream(ex, pick, request)
-            else:
-                response = await self.proxy.complete(ex, pick)
+            with leader or contextlib.nullcontext():
+                if call.stream:
+                    response = await self.proxy.stream(ex, pick, request)
+                else:
+                    response = await self.proxy.complete(ex, pick)
+                if leader is not None and ex.completion is not None:
+                    leader.publish(ex.completion)
+            if plan.store and plan.key is not None and ex.completion is not None:
+                self.cache.store_later(plan.key, ex.completion, tenant.cache)
             status = ex.status or response.status
             error_code = ex.error_code
             return response
@@ -130,7 +195,35 @@ class Gateway:
         finally:
             # 8 settle: limits, metrics, one log line
             self.metrics.in_flight.dec()
+            if lease is not None:
+                self._settle(lease, charged if charged is not None else _used_tokens(ex))
             self._record(endpoint, request_id, tenant_id, model, ex, status, error_code, started)
+
+    def _settle(self, lease: Lease, used: int | None) -> None:
+        """Settle in the background: the response need not wait for the limit store."""
+        if lease.origin == "none":
+            return
+        task = asyncio.create_task(self.limiter.settle(lease, used), name="settle")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _replay(self, request: web.Request, ex: Exchange, cached: CachedCompletion) -> web.StreamResponse:
+        """Answer from the cache, in the shape the client asked for."""
+        ex.headers["x-fleetgate-cache"] = "exact"
+        ex.usage = cached.usage
+        ex.status = 200
+        ex.first_token_at = self.clock()
+        completion_id, created = new_completion_id(cached.kind), int(time.time())
+        if not ex.call.stream:
+            body = replay_json(cached, completion_id=completion_id, created=created)
+            return web.Response(body=body, content_type="application/json", headers=ex.headers)
+        events = replay_sse(
+            cached, completion_id=completion_id, created=created, include_usage=ex.call.client_wants_usage
+        )
+        response = ex.response or await self.proxy.prepare(ex, request)
+        await response.write(events)
+        await response.write_eof()
+        return response
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.settings.server.max_body_bytes
@@ -250,6 +343,30 @@ class Gateway:
         return error_response(err, {"x-request-id": _request_id(request)})
 
 
+def _rejection(decision: Decision) -> GatewayError:
+    """A limiter's rejection as the client's error: 429 (or 503 when the limit store is down)."""
+    err: GatewayError
+    if decision.status == ServiceUnavailable.status:
+        err = ServiceUnavailable(decision.message, code=decision.error_code, headers=decision.headers())
+    else:
+        err = RateLimited(decision.message, code=decision.error_code, headers=decision.headers())
+        err.type = decision.error_type or err.type
+    return err
+
+
+def _used_tokens(ex: Exchange | None) -> int | None:
+    """Tokens to settle: the replica's usage; else what was seen streaming; None releases."""
+    if ex is None:
+        return None
+    if ex.usage:
+        total = ex.usage.get("total_tokens")
+        if isinstance(total, int):
+            return total
+    if ex.generated:
+        return ex.call.prompt_tokens_estimate + ex.generated
+    return None
+
+
 def _request_id(request: web.Request) -> str:
     sent = request.headers.get("x-request-id")
     if sent and len(sent) <= _MAX_REQUEST_ID and sent.isprintable():
@@ -288,13 +405,16 @@ async def _lifecycle(app: web.Application) -> Any:
             "no tenants configured: using the development tenant; do not expose this gateway",
             extra={"api_key": DEV_API_KEY},
         )
-    async with gateway.proxy, gateway.fleet:
+    async with gateway.limiter, gateway.cache, gateway.proxy, gateway.fleet:
         gateway.ready = True
         announce = asyncio.create_task(_announce_ready(gateway), name="announce-ready")
         yield
         gateway.ready = False
         announce.cancel()
         await gateway.fleet.drain_all(settings.server.shutdown_grace_s)
+        # Settlements still in flight must reach the limit store before it closes.
+        if gateway._background:
+            await asyncio.wait(gateway._background, timeout=settings.server.shutdown_grace_s)
 
 
 async def _announce_ready(gateway: Gateway) -> None:

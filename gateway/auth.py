@@ -36,32 +36,50 @@ class KeyRef:
         return hashlib.sha256(key.encode()).hexdigest() if key else None
 
 
-class KeyRing:
-    """Digest -> owner (a tenant id, or "admin")."""
+@dataclass(frozen=True, slots=True)
+class KeyOwner:
+    """Who a key belongs to, and the key's own name (for per-key limits and logs)."""
 
-    def __init__(self, owners: Mapping[str, str]) -> None:
+    owner: str
+    key_id: str
+
+
+# A key without a configured name is known by this many hex digits of its digest:
+# enough to tell a tenant's keys apart in logs, far too few to help guess the key.
+KEY_ID_DIGITS = 8
+
+
+class KeyRing:
+    """Digest -> owner (a tenant id, or "admin") and key id."""
+
+    def __init__(self, owners: Mapping[str, KeyOwner]) -> None:
         self._owners = dict(owners)
 
     @classmethod
     def build(
-        cls, entries: Iterable[tuple[str, Iterable[str]]], environ: Mapping[str, str] | None = None
+        cls,
+        entries: Iterable[tuple[str, Iterable[str | tuple[str, str]]]],
+        environ: Mapping[str, str] | None = None,
     ) -> tuple[KeyRing, list[str]]:
-        """From (owner, key refs) pairs; also returns the env variables that were unset."""
+        """From (owner, key refs) pairs, each ref plain or ``(key id, ref)``; also returns the
+        environment variables that were unset."""
         env = os.environ if environ is None else environ
-        owners: dict[str, str] = {}
+        owners: dict[str, KeyOwner] = {}
         missing: list[str] = []
         for owner, refs in entries:
-            for ref in refs:
+            for entry in refs:
+                key_id, ref = entry if isinstance(entry, tuple) else (None, entry)
                 key_ref = KeyRef.parse(ref)
                 digest = key_ref.resolve(env)
                 if digest is None:
                     missing.append(key_ref.env_var or "")
                     continue
-                if owners.setdefault(digest, owner) != owner:
-                    raise ValueError(f"one API key is configured for both {owners[digest]!r} and {owner!r}")
+                found = owners.setdefault(digest, KeyOwner(owner, key_id or digest[:KEY_ID_DIGITS]))
+                if found.owner != owner:
+                    raise ValueError(f"one API key is configured for both {found.owner!r} and {owner!r}")
         return cls(owners), missing
 
-    def owner_of(self, authorization: str | None) -> str:
+    def owner_of(self, authorization: str | None) -> KeyOwner:
         """The owner of the bearer key in an ``Authorization`` header, or ``Unauthorized``."""
         if not authorization:
             raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")

@@ -24,6 +24,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from cache.config import CacheServiceSettings, CacheSettings
 from limits.config import TenantLimits
 
 # The built-in development key. Only present when no tenant is configured at all, and
@@ -93,6 +94,20 @@ class RestartSettings(_Frozen):
     stop_timeout_s: float = Field(10.0, gt=0)
 
 
+class LimitsServiceSettings(_Frozen):
+    """Process-wide behaviour of the limiter (per-tenant limits live under ``tenants``)."""
+
+    # A Redis call slower than this counts as a failure (the tenant's fail policy applies).
+    redis_timeout_ms: float = Field(250.0, gt=0, le=10_000)
+    # A dead gateway's concurrency slots and reservations come back within this.
+    lease_ttl_s: float = Field(60.0, ge=3)
+    # Gateways announce themselves this often; fail_open divides limits by the live count.
+    heartbeat_s: float = Field(10.0, gt=0)
+    # Consecutive failures that open the breaker, and how long it stays open.
+    breaker_failures: int = Field(3, ge=1)
+    breaker_cooldown_s: float = Field(2.0, gt=0)
+
+
 class SimSettings(_Frozen):
     """Timing of a simulated replica (``engine: sim``)."""
 
@@ -153,19 +168,35 @@ class ModelSettings(_Frozen):
     max_model_len: int | None = Field(None, gt=0)
 
 
+class ApiKeySettings(_Frozen):
+    """A named key: the name is what ``limits.per_key`` refers to (and appears in logs)."""
+
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    key: str
+
+    @field_validator("key")
+    @classmethod
+    def _key_ref(cls, ref: str) -> str:
+        _check_key_ref(ref)
+        return ref
+
+
 class TenantSettings(_Frozen):
     """A tenant: who it is, which keys authenticate it, and its limits."""
 
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
-    # Each entry: "sha256:<64 hex>" (see `fleetgate hash-key`) or "env:VARIABLE".
-    api_keys: list[str] = Field(min_length=1)
+    # Each entry: "sha256:<64 hex>" (see `fleetgate hash-key`), "env:VARIABLE", or
+    # {id: NAME, key: "sha256:..."} to name the key for per-key limits.
+    api_keys: list[str | ApiKeySettings] = Field(min_length=1)
     limits: TenantLimits = TenantLimits()
+    cache: CacheSettings = CacheSettings()
 
     @field_validator("api_keys")
     @classmethod
-    def _key_refs(cls, keys: list[str]) -> list[str]:
+    def _key_refs(cls, keys: list[str | ApiKeySettings]) -> list[str | ApiKeySettings]:
         for ref in keys:
-            _check_key_ref(ref)
+            if isinstance(ref, str):
+                _check_key_ref(ref)
         return keys
 
 
@@ -183,6 +214,8 @@ class Settings(BaseSettings):
     upstream: UpstreamSettings = UpstreamSettings()
     health: HealthSettings = HealthSettings()
     restart: RestartSettings = RestartSettings()
+    cache: CacheServiceSettings = CacheServiceSettings()
+    limits: LimitsServiceSettings = LimitsServiceSettings()
     # Unset: limits and caches live in this process's memory.
     redis_url: str | None = None
     # What model "auto" means until the classifier picks tiers; default: the first model.

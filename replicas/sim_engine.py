@@ -112,8 +112,11 @@ class FixedRateEngine:
     def __init__(self, config: FixedRateConfig) -> None:
         self.config = config
         self.running = 0
+        # Requests ever submitted (tests count upstream calls with it).
+        self.submitted = 0
 
     def submit(self, request: SimRequest) -> SimStream:
+        self.submitted += 1
         return _FixedRateStream(self, request, count_tokens(request.prompt))
 
     def gauges(self) -> dict[str, float]:

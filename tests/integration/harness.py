@@ -60,9 +60,18 @@ async def serve_app(app: web.Application) -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def sim_upstream(model: str, ttft_ms: float = 5, tokens_per_s: float = 2000) -> AsyncIterator[str]:
+    async with sim_upstream_engine(model, ttft_ms, tokens_per_s) as (url, _):
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def sim_upstream_engine(
+    model: str, ttft_ms: float = 5, tokens_per_s: float = 2000
+) -> AsyncIterator[tuple[str, FixedRateEngine]]:
+    """The simulator in-process, with its engine (``engine.submitted`` counts upstream calls)."""
     engine = FixedRateEngine(FixedRateConfig(ttft_s=ttft_ms / 1000, tokens_per_s=tokens_per_s))
     async with serve_app(create_sim_app(engine, model)) as url:
-        yield url
+        yield url, engine
 
 
 @contextlib.asynccontextmanager
@@ -210,3 +219,54 @@ def gateway_process(config: dict[str, Any], tmp_path: Path) -> Iterator[GatewayP
     finally:
         if gw.proc is not None and gw.proc.poll() is None:
             gw.stop()
+
+
+class CountingUpstream:
+    """A vLLM-shaped upstream that records what reached it: requests, tokens, and the most
+    requests in flight at once (the ground truth for limit tests). It answers a chat
+    completion after ``delay`` seconds, with usage counted the way the simulator counts."""
+
+    def __init__(self, model: str, delay: float = 0.0) -> None:
+        self.model, self.delay = model, delay
+        self.reset()
+
+    def reset(self) -> None:
+        self.requests = 0
+        self.tokens = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._ok)
+        app.router.add_get("/metrics", self._ok)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    async def _ok(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.requests += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+        finally:
+            self.in_flight -= 1
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in body["messages"]) + "<|assistant|>"
+        prompt = -(-len(text) // 4)
+        completion = int(body.get("max_tokens") or 16)
+        self.tokens += prompt + completion
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        reply = {
+            "id": "chatcmpl-count",
+            "object": "chat.completion",
+            "created": 0,
+            "model": self.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}],
+            "usage": usage,
+        }
+        return web.json_response(reply)

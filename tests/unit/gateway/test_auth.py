@@ -4,25 +4,29 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import KeyRing
+from gateway.auth import KEY_ID_DIGITS, KeyOwner, KeyRing
 from gateway.errors import Unauthorized
 from gateway.settings import hash_key
 
 
 def ring() -> KeyRing:
     keyring, missing = KeyRing.build(
-        [("acme", ["sha256:" + hash_key("sk-a")]), ("beta", ["env:BETA_KEY", "env:UNSET_KEY"])],
+        [
+            ("acme", ["sha256:" + hash_key("sk-a"), ("batch", "sha256:" + hash_key("sk-a2"))]),
+            ("beta", ["env:BETA_KEY", "env:UNSET_KEY"]),
+        ],
         environ={"BETA_KEY": "sk-b"},
     )
     assert missing == ["UNSET_KEY"]
     return keyring
 
 
-def test_keys_map_to_tenants() -> None:
+def test_keys_map_to_tenants_and_key_ids() -> None:
     keyring = ring()
-    assert keyring.owner_of("Bearer sk-a") == "acme"
-    assert keyring.owner_of("bearer sk-b") == "beta"
-    assert len(keyring) == 2
+    assert keyring.owner_of("Bearer sk-a") == KeyOwner("acme", hash_key("sk-a")[:KEY_ID_DIGITS])
+    assert keyring.owner_of("Bearer sk-a2") == KeyOwner("acme", "batch")
+    assert keyring.owner_of("bearer sk-b").owner == "beta"
+    assert len(keyring) == 3
 
 
 @pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Basic sk-a", "sk-a", "Bearer sk-c"])
