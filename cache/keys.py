@@ -41,6 +41,7 @@ from typing import Any
 import orjson
 
 from cache.config import CacheSettings
+from cache.entry import Kind
 
 # Bump when the canonical form changes: old entries then simply stop matching.
 KEY_VERSION = "fg-exact-1"
@@ -62,7 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "echo": False,
 }
 
-ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+ENDPOINT_KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 # Escaped in a scope so it cannot forge the ':' separator or a Redis hash tag.
 _SCOPE_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
@@ -145,7 +146,7 @@ def plan_request(
     return CachePlan(key=key, lookup=directives.lookup, store=directives.store, reason=reason)
 
 
-def endpoint_kind(endpoint: str) -> str | None:
+def endpoint_kind(endpoint: str) -> Kind | None:
     """``"chat"`` or ``"completion"`` for the endpoints the exact cache serves, else None."""
     return ENDPOINT_KINDS.get(endpoint)
 

@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from cache.coalesce import Leader
 from cache.entry import CachedCompletion
-from cache.keys import endpoint_kind
+from cache.keys import CachePlan, endpoint_kind
 from cache.metrics import CacheMetrics
 from cache.replay import new_completion_id, replay_json, replay_sse
 from cache.service import ResponseCache, create_cache_store
@@ -149,21 +149,12 @@ class Gateway:
             plan = self.cache.plan(
                 tenant.id, model, endpoint, call.body, tenant.cache, request.headers.get("Cache-Control")
             )
-            leader: Leader | None = None
-            if plan.key is not None:
-                ex.cache_kind = endpoint_kind(endpoint)  # type: ignore[assignment]
-                ex.cache_max_chars = tenant.cache.max_entry_bytes
-                cached = await self.cache.lookup(plan.key) if plan.lookup else None
-                if cached is None and plan.coalesce:
-                    joined = await self.proxy.with_keepalive(
-                        ex, request, self.cache.coalesce(plan.key, self.settings.upstream.first_byte_timeout_s)
-                    )
-                    cached, leader = (joined, None) if isinstance(joined, CachedCompletion) else (None, joined)
-                if cached is not None:
-                    response = await self._replay(request, ex, cached)
-                    status = ex.status
-                    charged = ResponseCache.tokens_to_charge(cached, tenant.cache)
-                    return response
+            cached, leader = await self._from_cache(request, ex, plan, tenant)
+            if cached is not None:
+                response = await self._replay(request, ex, cached)
+                status = ex.status
+                charged = ResponseCache.tokens_to_charge(cached, tenant.cache)
+                return response
             headers["x-fleetgate-cache"] = "miss"
             # 6 route + 7 proxy
             pick = self._picker(model)
@@ -206,6 +197,25 @@ class Gateway:
         task = asyncio.create_task(self.limiter.settle(lease, used), name="settle")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _from_cache(
+        self, request: web.Request, ex: Exchange, plan: CachePlan, tenant: TenantSettings
+    ) -> tuple[CachedCompletion | None, Leader | None]:
+        """A cached answer; else, for a cacheable request, the ``Leader`` that goes upstream.
+
+        A request identical to one in flight waits for that one's answer (a streaming
+        client gets keep-alives meanwhile) instead of going upstream itself.
+        """
+        if plan.key is None:
+            return None, None
+        ex.cache_kind = endpoint_kind(ex.call.endpoint)
+        ex.cache_max_chars = tenant.cache.max_entry_bytes
+        cached = await self.cache.lookup(plan.key) if plan.lookup else None
+        if cached is not None or not plan.coalesce:
+            return cached, None
+        wait_s = self.settings.upstream.first_byte_timeout_s
+        joined = await self.proxy.with_keepalive(ex, request, self.cache.coalesce(plan.key, wait_s))
+        return (joined, None) if isinstance(joined, CachedCompletion) else (None, joined)
 
     async def _replay(self, request: web.Request, ex: Exchange, cached: CachedCompletion) -> web.StreamResponse:
         """Answer from the cache, in the shape the client asked for."""
