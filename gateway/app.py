@@ -42,6 +42,7 @@ from gateway.errors import (
 from gateway.logs import AccessLog
 from gateway.metrics import FleetCollector, GatewayMetrics
 from gateway.proxy import Exchange, Picker, Proxy
+from gateway.reload import ConfigWatcher
 from gateway.request import Endpoint, parse_call
 from gateway.settings import DEV_API_KEY, Settings, TenantSettings
 from limits.breaker import BreakerConfig
@@ -69,10 +70,13 @@ class Gateway:
         settings: Settings,
         *,
         log_dir: Path = Path("logs"),
+        config_path: Path | None = None,
         access_stream: IO[bytes] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
+        # Watched for live edits of tenants (None: the settings came from defaults/env only).
+        self.config_path = config_path
         self.clock = clock
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(access_stream, enabled=settings.server.access_log)
@@ -97,8 +101,12 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self.rng = random.Random()
         self.ready = False
-        self.apply_tenants(settings.effective_tenants(), settings.admin_api_keys)
+        self.apply_tenants(settings.tenants, settings.admin_api_keys)
         self.default_model = settings.default_model or settings.models[0].name
+
+    def apply_settings(self, new: Settings) -> None:
+        """A reloaded configuration: the parts that apply live (tenants, keys)."""
+        self.apply_tenants(new.tenants, new.admin_api_keys)
 
     def apply_tenants(self, tenants: list[TenantSettings], admin_keys: list[str]) -> None:
         """Swap in a new set of tenants and keys (start-up and hot reload)."""
@@ -412,10 +420,19 @@ async def _lifecycle(app: web.Application) -> Any:
     settings = gateway.settings
     if settings.uses_dev_tenant:
         log.warning(
-            "no tenants configured: using the development tenant; do not expose this gateway",
+            "using the development tenant and its well-known key; do not expose this gateway",
             extra={"api_key": DEV_API_KEY},
         )
-    async with gateway.limiter, gateway.cache, gateway.proxy, gateway.fleet:
+    elif not settings.tenants:
+        log.warning("no tenants configured: every request will be refused with 401")
+    async with contextlib.AsyncExitStack() as stack:
+        for part in (gateway.limiter, gateway.cache, gateway.proxy, gateway.fleet):
+            await stack.enter_async_context(part)
+        if gateway.config_path is not None:
+            count = gateway.metrics.config_reloads.labels
+            await stack.enter_async_context(
+                ConfigWatcher(gateway.config_path, settings, gateway.apply_settings, lambda r: count(r).inc())
+            )
         gateway.ready = True
         announce = asyncio.create_task(_announce_ready(gateway), name="announce-ready")
         yield

@@ -16,14 +16,14 @@ from gateway.settings import ConfigError, Settings, hash_key, load_settings, set
 log = logging.getLogger("fleetgate")
 
 
-async def serve(settings: Settings, *, log_dir: Path) -> None:
+async def serve(settings: Settings, *, log_dir: Path, config_path: Path | None = None) -> None:
     """Run until SIGTERM/SIGINT; then stop accepting, let in-flight requests finish, stop replicas."""
     from aiohttp import web
 
     from gateway.app import Gateway, create_app
 
     _raise_file_limit()
-    gateway = Gateway(settings, log_dir=log_dir)
+    gateway = Gateway(settings, log_dir=log_dir, config_path=config_path)
     app = create_app(gateway)
     # handler_cancellation: a client that disconnects cancels its handler at once, which
     # closes the upstream connection and so aborts the generation on the replica.
@@ -68,7 +68,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"fleetgate: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.server.log_level)
-    uvloop.run(serve(settings, log_dir=Path(args.log_dir)))
+    config_path = Path(args.config) if args.config else None
+    uvloop.run(serve(settings, log_dir=Path(args.log_dir), config_path=config_path))
     return 0
 
 

@@ -33,6 +33,10 @@ from limits.config import TenantLimits
 DEV_API_KEY = "sk-fleetgate-dev"
 
 
+DEV_TENANT_ID = "dev"
+_DEV_KEY_REF = "sha256:" + hashlib.sha256(DEV_API_KEY.encode()).hexdigest()
+
+
 class ConfigError(Exception):
     """The configuration is invalid; the message names the offending key path."""
 
@@ -250,12 +254,7 @@ class Settings(BaseSettings):
 
     @property
     def uses_dev_tenant(self) -> bool:
-        return not self.tenants
-
-    def effective_tenants(self) -> list[TenantSettings]:
-        if self.tenants:
-            return self.tenants
-        return [TenantSettings(id="dev", api_keys=["sha256:" + hash_key(DEV_API_KEY)])]
+        return any(t.id == DEV_TENANT_ID and t.api_keys == [_DEV_KEY_REF] for t in self.tenants)
 
     @classmethod
     def settings_customise_sources(
@@ -294,7 +293,14 @@ def load_settings(path: str | Path | None = None) -> Settings:
     """Read, merge and validate; raise ``ConfigError`` naming the key path on any problem."""
     try:
         if path is None:
-            return Settings()
+            # No file at all: a laptop. Give it the development tenant, unless the
+            # environment configured tenants. (A file with no tenants gets none: deleting
+            # every tenant must never open the gateway to the well-known dev key.)
+            settings = Settings()
+            if settings.tenants:
+                return settings
+            dev = TenantSettings(id=DEV_TENANT_ID, api_keys=[_DEV_KEY_REF])
+            return settings.model_copy(update={"tenants": [dev]})
         file = Path(path)
         if not file.is_file():
             raise ConfigError(f"{file}: no such file")
@@ -328,6 +334,6 @@ def settings_digest(settings: Settings) -> dict[str, Any]:
         "models": [
             {"name": m.name, "tier": m.tier, "replicas": sum(r.count for r in m.replicas)} for m in settings.models
         ],
-        "tenants": [t.id for t in settings.effective_tenants()],
+        "tenants": [t.id for t in settings.tenants],
         "redis": "configured" if settings.redis_url else "memory",
     }

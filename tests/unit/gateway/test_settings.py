@@ -29,7 +29,13 @@ def test_defaults_describe_a_laptop() -> None:
     assert settings.redis_url is None
     assert settings.models[0].replicas[0].engine == "sim"
     assert settings.uses_dev_tenant
-    assert [t.id for t in settings.effective_tenants()] == ["dev"]
+    assert [t.id for t in settings.tenants] == ["dev"]
+
+
+def test_a_file_without_tenants_gets_no_dev_tenant(tmp_path: Path) -> None:
+    settings = load_settings(write(tmp_path, "server: {port: 9000}\n"))
+    assert settings.tenants == []
+    assert not settings.uses_dev_tenant
 
 
 def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
