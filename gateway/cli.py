@@ -121,7 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sim", help="run one simulated vLLM-compatible replica")
     add_arguments(p)
     p.set_defaults(func=_cmd_sim)
+
+    from bench.cli import add_arguments as add_bench_arguments
+
+    p = sub.add_parser("bench", help="capacity planner: how many users fit the SLOs")
+    add_bench_arguments(p)
+    p.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench.cli import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
