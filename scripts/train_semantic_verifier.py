@@ -37,13 +37,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.qqp_pairs import SPLIT_SEED, Pair, fold_of, load_pairs, split_pairs  # noqa: E402
-from cache.embedder import SentenceTransformerEmbedder  # noqa: E402
-from cache.pair_features import FloatArray, feature_matrix, feature_names  # noqa: E402
-from cache.semantic_verifier import PARAMS_FORMAT, VerifierParams  # noqa: E402
+from bench.qqp_pairs import SPLIT_SEED, Pair, fold_of, load_pairs, split_pairs
+from cache.embedder import SentenceTransformerEmbedder
+from cache.pair_features import FloatArray, feature_matrix, feature_names
+from cache.semantic_verifier import PARAMS_FORMAT, VerifierParams
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "cache" / "data" / "verifier.json"
-PROJECTION_DIMS = 16
+PROJECTION_DIMS = 8
 FOLDS = 5
 TARGET_FALSE_HITS = 0.015
 # Shallow trees with strong shrinkage: ~6,000 noisy labels support little more.
@@ -88,7 +88,7 @@ def embed_texts(texts: list[str], model_dir: str | None, threads: int, cache: st
 def false_hit_threshold(scores: np.ndarray, labels: np.ndarray, target: float) -> float:
     """The lowest threshold whose false-hit rate (scores >= t on negatives) is <= target."""
     negatives = np.sort(scores[labels == 0])[::-1]
-    allowed = int(math.floor(target * len(negatives)))
+    allowed = math.floor(target * len(negatives))
     # Strictly above the (allowed+1)-th highest negative score.
     return float(np.nextafter(negatives[allowed], np.inf)) if allowed < len(negatives) else 0.0
 
@@ -110,16 +110,22 @@ def export_trees(model: Any) -> dict[str, Any]:
         trees.append(
             {
                 "feature": [-1 if is_leaf else int(f) for f, is_leaf in zip(nodes["feature_idx"], leaf, strict=True)],
-                "threshold": [0.0 if is_leaf else float(t) for t, is_leaf in zip(nodes["num_threshold"], leaf, strict=True)],
+                "threshold": [
+                    0.0 if is_leaf else float(t) for t, is_leaf in zip(nodes["num_threshold"], leaf, strict=True)
+                ],
                 "left": [int(x) for x in nodes["left"]],
                 "right": [int(x) for x in nodes["right"]],
-                "value": [round(float(v), 7) if is_leaf else 0.0 for v, is_leaf in zip(nodes["value"], leaf, strict=True)],
+                "value": [
+                    round(float(v), 7) if is_leaf else 0.0 for v, is_leaf in zip(nodes["value"], leaf, strict=True)
+                ],
             }
         )
     return {"baseline": float(np.ravel(model._baseline_prediction)[0]), "depth": depth + 1, "trees": trees}
 
 
-def build_features(pairs: list[Pair], vectors: dict[str, FloatArray], projection: FloatArray, mean: FloatArray) -> FloatArray:
+def build_features(
+    pairs: list[Pair], vectors: dict[str, FloatArray], projection: FloatArray, mean: FloatArray
+) -> FloatArray:
     u = np.vstack([vectors[p.question1] for p in pairs])
     v = np.vstack([vectors[p.question2] for p in pairs])
     return feature_matrix([p.question1 for p in pairs], [p.question2 for p in pairs], u, v, projection, mean)
@@ -137,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embeddings-cache", help="an .npz to keep the training half's vectors between runs")
     args = parser.parse_args(argv)
 
-    from sklearn import __version__ as sklearn_version  # noqa: PLC0415
-    from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: PLC0415
+    from sklearn import __version__ as sklearn_version  # type: ignore[import-untyped]
+    from sklearn.ensemble import HistGradientBoostingClassifier  # type: ignore[import-untyped]
 
     started = time.perf_counter()
     train, _ = split_pairs(load_pairs(args.pairs), args.seed)
@@ -185,13 +191,19 @@ def main(argv: list[str] | None = None) -> int:
             "train_pairs": len(train),
             "train_duplicates": int(labels.sum()),
             "target_false_hits": args.target_false_hits,
+            # A looser operating point (2% out-of-fold), reported next to the default.
+            "threshold_at_2pct_oof": round(false_hit_threshold(out_of_fold, labels, 0.02), 6),
             # The plain-cosine baseline at the same target, for the benchmark's comparison.
             "cosine_baseline_threshold": round(false_hit_threshold(features[:, 0], labels, args.target_false_hits), 6),
             "out_of_fold": {
                 "recall": round(recall, 4),
                 "false_hits": round(false_hits, 4),
-                "recall_at_1pct": round(rates(out_of_fold, labels, false_hit_threshold(out_of_fold, labels, 0.01))[0], 4),
-                "recall_at_2pct": round(rates(out_of_fold, labels, false_hit_threshold(out_of_fold, labels, 0.02))[0], 4),
+                "recall_at_1pct": round(
+                    rates(out_of_fold, labels, false_hit_threshold(out_of_fold, labels, 0.01))[0], 4
+                ),
+                "recall_at_2pct": round(
+                    rates(out_of_fold, labels, false_hit_threshold(out_of_fold, labels, 0.02))[0], 4
+                ),
             },
             "model_options": MODEL_OPTIONS,
             "scikit_learn": sklearn_version,
