@@ -190,6 +190,14 @@ class GatewayProcess:
                 env=env,
                 cwd=ROOT,
             )
+        try:
+            self._wait_ready(ready_timeout)
+        except BaseException:
+            self.stop(signal.SIGKILL)  # a gateway that never got ready must not outlive the test
+            raise
+
+    def _wait_ready(self, ready_timeout: float) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
