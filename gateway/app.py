@@ -202,6 +202,8 @@ class Gateway:
         """Settle in the background: the response need not wait for the limit store."""
         if lease.origin == "none":
             return
+        if self.limiter.settle_locally(lease, used):
+            return  # memory store: done synchronously, no task needed
         task = asyncio.create_task(self.limiter.settle(lease, used), name="settle")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -290,8 +292,8 @@ class Gateway:
         elapsed = now - started
         model_label = model or "-"
         m = self.metrics
-        m.requests.labels(endpoint.label, model_label, str(status)).inc()
-        m.latency.labels(endpoint.label, model_label).observe(elapsed)
+        m.series(m.requests, endpoint.label, model_label, str(status)).inc()
+        m.series(m.latency, endpoint.label, model_label).observe(elapsed)
         entry: dict[str, Any] = {
             "request_id": request_id,
             "tenant": tenant_id,
@@ -310,17 +312,17 @@ class Gateway:
             if ex.first_token_at is not None:
                 ttft = ex.first_token_at - started
                 entry["ttft_ms"] = round(ttft * 1000, 2)
-                m.ttft.labels(model_label).observe(ttft)
+                m.series(m.ttft, model_label).observe(ttft)
             if ex.usage:
                 prompt = int(ex.usage.get("prompt_tokens") or 0)
                 completion = int(ex.usage.get("completion_tokens") or 0)
                 entry["prompt_tokens"], entry["completion_tokens"] = prompt, completion
                 if tenant_id is not None:
-                    m.tokens.labels(tenant_id, model_label, "prompt").inc(prompt)
-                    m.tokens.labels(tenant_id, model_label, "completion").inc(completion)
+                    m.series(m.tokens, tenant_id, model_label, "prompt").inc(prompt)
+                    m.series(m.tokens, tenant_id, model_label, "completion").inc(completion)
             if ex.upstream_started is not None:
                 upstream = (ex.upstream_ended or now) - ex.upstream_started
-                m.overhead.labels(endpoint.label).observe(max(0.0, elapsed - upstream))
+                m.series(m.overhead, endpoint.label).observe(max(0.0, elapsed - upstream))
             if self.settings.server.log_prompts:
                 entry["body"] = ex.call.body
         self.access_log.write(entry)

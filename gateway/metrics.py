@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -83,6 +83,9 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        # Labelled children by (metric, label values): labels() validates and locks on
+        # every call, and the request path asks for the same few series all the time.
+        self._children: dict[tuple[object, ...], Any] = {}
         r = self.registry
         self.requests = Counter(
             "fleetgate_requests",
@@ -150,6 +153,14 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
+
+    def series(self, metric: Counter | Histogram | Gauge, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered (label values come from config: bounded)."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
 
 class FleetCollector(Collector):

@@ -147,18 +147,33 @@ class Limiter:
 
         Idempotent; never raises for a store failure (the lease then expires on its own).
         """
-        if lease is None or lease.origin == "none" or self._live.pop(lease.id, None) is None:
+        if self.settle_locally(lease, used_tokens) or lease is None:
             return
+        self._count_settle(lease, used_tokens)
+        await self._call("settle", lambda: self._store.settle(lease, used_tokens))
+
+    def settle_locally(self, lease: Lease | None, used_tokens: int | None) -> bool:
+        """``settle`` without awaiting, when it involves no shared store; True if done.
+
+        The memory store and the fallback settle synchronously, so the hot path need not
+        schedule a task for them. False means: call ``settle`` (a shared-store lease).
+        """
+        if lease is None or lease.origin == "none" or lease.id not in self._live:
+            return True
+        if lease.origin != "fallback" and self._shared:
+            return False
+        self._count_settle(lease, used_tokens)
+        store = self._fallback if lease.origin == "fallback" else self._store
+        assert isinstance(store, MemoryStore)
+        store.settle_now(lease, used_tokens)
+        return True
+
+    def _count_settle(self, lease: Lease, used_tokens: int | None) -> None:
+        self._live.pop(lease.id, None)
         if used_tokens is None:
             self.metrics.releases.labels(lease.tenant).inc()
         else:
             self.metrics.tokens_settled.labels(lease.tenant).inc(max(used_tokens, 0))
-        if lease.origin == "fallback":
-            self._fallback.settle_now(lease, used_tokens)
-        elif not self._shared:
-            await self._store.settle(lease, used_tokens)
-        else:
-            await self._call("settle", lambda: self._store.settle(lease, used_tokens))
 
     async def renew(self, lease: Lease) -> bool:
         """Extend a held lease by one TTL; False if it expired or the store is unreachable."""
