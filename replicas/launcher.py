@@ -122,6 +122,9 @@ class ManagedProcess:
                 "replica exited",
                 extra={"replica": self.replica.id, "exit_code": code, "log": str(self.spec.log_path)},
             )
+            # vLLM's engine and worker outlive a killed server (holding GPU memory the
+            # replacement needs): take the old process group down before restarting.
+            await _reap_group(self._proc.pid)
             if len(self._crashes) >= self.policy.crash_loop_count:
                 self.replica.state = ReplicaState.FAILED
                 log.error("replica crash-looping; not restarting", extra={"replica": self.replica.id})
@@ -155,6 +158,34 @@ class ManagedProcess:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+# How long a dead replica's leftover processes get to die after SIGKILL.
+REAP_TIMEOUT_S = 10.0
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of the group is still running (zombies waiting for init don't count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command: state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+async def _reap_group(pgid: int, timeout_s: float = REAP_TIMEOUT_S) -> None:
+    """SIGKILL every process left in ``pgid`` and wait until none runs (bounded)."""
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid):
+        if time.monotonic() >= deadline:
+            log.warning("processes of a dead replica survived SIGKILL", extra={"pgid": pgid})
+            return
+        await asyncio.sleep(0.05)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -3,6 +3,7 @@ clean stop on SIGTERM, and no orphans when the gateway itself is SIGKILLed."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -92,3 +93,29 @@ def test_sigkilled_gateway_leaves_no_orphans(tmp_path: Path) -> None:
         pids = [int(r["pid"]) for r in fleet(gw.url).values()]  # type: ignore[call-overload]
         gw.stop(signal.SIGKILL)
         assert wait_for(lambda: not any(alive(p) for p in pids), timeout=5)
+
+
+async def test_a_dead_replicas_leftover_processes_are_reaped_before_restart(tmp_path: Path) -> None:
+    """Like vLLM's engine and worker after its server is killed: a child left behind in the
+    replica's process group must not survive into the next start."""
+    from gateway.settings import RestartSettings
+    from replicas.launcher import LaunchSpec, ManagedProcess
+    from replicas.replica import Breaker, Replica
+
+    pids = tmp_path / "children"
+    script = (
+        "import subprocess, sys; "
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pids)!r}, 'a').write(f'{{p.pid}}\\n')"
+    )  # the parent exits at once, its child stays in the group
+    replica = Replica("r", "http://127.0.0.1:1", "m", "t", "m", True, Breaker(3, 1.0))
+    policy = RestartSettings(backoff_initial_s=0.2, crash_loop_count=2, crash_loop_window_s=60)
+    proc = ManagedProcess(replica, LaunchSpec([sys.executable, "-c", script], {}, tmp_path / "r.log"), policy)
+    proc.start()
+    try:
+        assert await asyncio.to_thread(wait_for, lambda: replica.state.value == "failed", 20.0)
+        children = [int(p) for p in pids.read_text().split()]
+        assert len(children) == 2  # started twice, then marked failed
+        assert not any(alive(p) for p in children)
+    finally:
+        await proc.stop(grace_s=1.0)
