@@ -1,0 +1,440 @@
+"""End to end: the gateway in front of real vLLM replicas on CPU, driven with the openai SDK.
+
+The tests run in file order and, after the first, share one fleet (two replicas of the
+tiny model; vLLM takes about a minute to start):
+
+1. A SIGKILLed gateway leaves no vLLM process behind (its own one-replica gateway, done
+   before the fleet starts so the two never compete for the cores).
+2. Chat and legacy completions, streamed and not, with exact token counts; both replicas
+   serve; an endpoint vLLM lacks comes back as an OpenAI error.
+3. ``vllm:num_requests_running``, scraped into ``/admin/fleet``, rises under a burst.
+4. One replica's API server is SIGKILLed under steady load: no non-streaming request fails
+   (the ones it was working on are retried on the other), the streams it was serving end
+   with an error event, and the launcher restarts it until it serves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
+
+from tests.e2e.conftest import (
+    FLEET_START_TIMEOUT_S,
+    MODEL,
+    SINGLE_START_TIMEOUT_S,
+    E2EGateway,
+    bounded,
+    describe_group,
+    gateway_config,
+    group_alive,
+    group_members,
+    kill_group,
+    record_timing,
+    run_dir,
+    start_gateway,
+    stop_gateway,
+    vllm_replica,
+    wait_group_gone,
+)
+
+pytestmark = pytest.mark.e2e
+
+# The tiny model emits its EOS now and then; exact token counts need ignore_eos (a vLLM extension).
+IGNORE_EOS = {"ignore_eos": True}
+PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story about a gateway."}]
+REPLICA_HEADER = "x-fleetgate-replica"
+# Long enough to still be generating when the replica dies, a second or two after they
+# start, even if the test process gets no CPU for a few seconds meanwhile (seen here while
+# vLLM generates): eight requests of 4000 tokens keep one replica busy for 15 s or more.
+LONG_TOKENS = 4000
+N_STREAMS = 4
+N_PINNED = 4
+RESTART_TIMEOUT_S = 240.0
+BURST_TOKENS = 1024
+
+
+def messages(tag: str) -> list[ChatCompletionMessageParam]:
+    return [{"role": "user", "content": f"{tag}: tell me a long story about a gateway."}]
+
+
+async def chat(client: AsyncOpenAI, tag: str, max_tokens: int) -> tuple[str, ChatCompletion]:
+    """A non-streaming chat of exactly ``max_tokens``; (the replica that answered, the reply)."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages(tag), max_tokens=max_tokens, extra_body=IGNORE_EOS
+    )
+    return raw.headers.get(REPLICA_HEADER, ""), raw.parse()
+
+
+@pytest.fixture
+async def client(vllm_fleet: E2EGateway) -> AsyncIterator[AsyncOpenAI]:
+    """The SDK's async client on the fleet's gateway, closed on this test's event loop."""
+    async with vllm_fleet.client() as sdk:
+        yield sdk
+
+
+# -- 1. the gateway dies -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(SINGLE_START_TIMEOUT_S + 120)
+def test_sigkilled_gateway_leaves_no_vllm_processes(tiny_model: Path) -> None:
+    config = gateway_config([vllm_replica(tiny_model, core=0)])
+    e2e, elapsed = start_gateway(config, run_dir("gateway-sigkill"), SINGLE_START_TIMEOUT_S, every=True)
+    record_timing("single replica start (gateway SIGKILL test)", elapsed)
+    pgid: int | None = None
+    try:
+        (replica,) = e2e.fleet_sync().values()
+        pgid = int(replica["pid"])
+        assert os.getpgid(pgid) == pgid, "the replica does not lead its own process group"
+        members = group_members(pgid)
+        names = [name for *_, name in members]
+        assert any("EngineCor" in n for n in names), f"expected vLLM's engine in the group, found {names}"
+        with e2e.sync_client() as sdk:
+            reply = sdk.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=8, extra_body=IGNORE_EOS)
+        assert reply.usage is not None and reply.usage.completion_tokens == 8
+
+        assert e2e.gw.proc is not None
+        e2e.gw.proc.kill()
+        e2e.gw.proc.wait(10)
+        gone = wait_group_gone(pgid)
+        if gone is None:
+            server_alive = any(pid == pgid and state != "Z" for pid, _, state, _ in group_members(pgid))
+            why = (
+                "the API server itself is alive: PR_SET_PDEATHSIG never reached it"
+                if server_alive
+                else "the API server died but its engine/worker outlived it"
+            )
+            pytest.fail(
+                f"15 s after the gateway's SIGKILL, replica group {pgid} still has: {describe_group(pgid)} ({why}); "
+                f"at start it held {[(pid, name) for pid, _, _, name in members]}"
+            )
+        record_timing("gateway SIGKILL -> every vLLM process of its replica gone", gone)
+    finally:
+        stop_gateway(e2e, signal.SIGKILL)
+        if pgid is not None:
+            kill_group(pgid)
+
+
+# -- 2. plain traffic ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(FLEET_START_TIMEOUT_S + 120)
+async def test_completions_streamed_and_not(vllm_fleet: E2EGateway, client: AsyncOpenAI) -> None:
+    ids = set(await vllm_fleet.fleet())
+    assert len(ids) == 2
+
+    replica, reply = await chat(client, "hello", 24)
+    assert replica in ids
+    assert reply.model == MODEL
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content
+    assert reply.usage is not None and reply.usage.completion_tokens == 24
+
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=PROMPT,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=IGNORE_EOS,
+    )
+    pieces, finish, usage = [], None, None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    assert pieces and finish == "length"
+    assert usage is not None and usage.completion_tokens == 24
+
+    completion = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=16, extra_body=IGNORE_EOS
+    )
+    assert completion.choices[0].text and completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 16
+
+    text_stream = await client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=IGNORE_EOS,
+    )
+    texts, finish, usage = [], None, None
+    async for piece in text_stream:
+        usage = piece.usage or usage
+        for c in piece.choices:
+            texts.append(c.text)
+            finish = c.finish_reason or finish
+    assert "".join(texts) and finish == "length"
+    assert usage is not None and usage.completion_tokens == 16
+
+    # Concurrent requests spread over both replicas (least outstanding tokens).
+    spread = await asyncio.gather(*(chat(client, f"spread {i}", 64) for i in range(8)))
+    assert {replica for replica, _ in spread} == ids
+
+    # A generation replica has no /v1/embeddings: vLLM's 404 reaches the SDK as an OpenAI error.
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.embeddings.create(model=MODEL, input="hello")
+    assert missing.value.status_code == 404
+
+
+# -- 3. scraped load ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+async def test_num_requests_running_rises_under_load(vllm_fleet: E2EGateway, client: AsyncOpenAI) -> None:
+    start = time.monotonic()
+    # Long enough to span several probe rounds: 16 requests of 256 tokens took a replica ~1.5 s,
+    # about one scrape interval under load, so such a burst could fall between two scrapes.
+    burst = [asyncio.create_task(chat(client, f"burst {i}", BURST_TOKENS)) for i in range(32)]
+    peaks: dict[str, float] = {}
+    while not all(task.done() for task in burst):
+        for rid, replica in (await vllm_fleet.fleet()).items():
+            running = float(replica["gauges"].get("vllm:num_requests_running", 0.0))
+            peaks[rid] = max(peaks.get(rid, 0.0), running)
+        await asyncio.sleep(0.2)
+    outcomes = await asyncio.gather(*burst, return_exceptions=True)
+    record_timing(f"burst: 32 concurrent requests of {BURST_TOKENS} tokens", time.monotonic() - start)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert not failed, f"{len(failed)} of 32 burst requests failed: {failed[:3]}"
+    served = Counter(o[0] for o in outcomes if not isinstance(o, BaseException))
+    print(f"[e2e] burst served by {dict(served)}; peak vllm:num_requests_running {peaks}", flush=True)
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException)
+        assert outcome[1].usage is not None and outcome[1].usage.completion_tokens == BURST_TOKENS
+    assert max(peaks.values(), default=0.0) >= 2, f"vllm:num_requests_running never reached 2: {peaks}"
+
+
+# -- 4. a replica dies under load -------------------------------------------------------------
+
+
+@dataclass
+class StreamOutcome:
+    replica: str
+    chunks: int
+    error: openai.APIError | None
+    # Completion tokens from the final usage chunk (None when the stream never got there).
+    tokens: int | None = None
+
+
+@dataclass
+class Result:
+    ok: bool
+    replica: str
+    seconds: float
+    detail: str = ""
+    done_at: float = field(default_factory=time.monotonic)
+
+
+async def long_stream(
+    client: AsyncOpenAI, tag: str, started: asyncio.Event, max_tokens: int = LONG_TOKENS
+) -> StreamOutcome:
+    """A long streamed chat; an error event from the gateway ends it as ``error``."""
+    async with client.chat.completions.with_streaming_response.create(
+        model=MODEL,
+        messages=messages(tag),
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=IGNORE_EOS,
+    ) as response:
+        replica = response.headers.get(REPLICA_HEADER, "")
+        stream = await response.parse()
+        # Chunks, not tokens: vLLM merges tokens into one chunk when its sender falls behind.
+        chunks, tokens = 0, None
+        try:
+            async for chunk in stream:
+                chunks += len(chunk.choices)
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                started.set()
+                # Let the other tasks run between chunks: a stream that fell behind would
+                # otherwise parse its whole buffer without yielding to the event loop.
+                await asyncio.sleep(0)
+        except openai.APIError as err:
+            return StreamOutcome(replica, chunks, err, tokens)
+        return StreamOutcome(replica, chunks, None, tokens)
+
+
+async def steady_load(client: AsyncOpenAI, worker: int, go: asyncio.Event, results: list[Result]) -> None:
+    """Short non-streaming chats back to back, from ``go`` until cancelled; every outcome is kept."""
+    await go.wait()
+    i = 0
+    while True:
+        start = time.monotonic()
+        try:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages(f"steady {worker}.{i}"), max_tokens=8, extra_body=IGNORE_EOS
+            )
+            reply = raw.parse()
+            ok = reply.usage is not None and reply.usage.completion_tokens == 8
+            results.append(Result(ok, raw.headers.get(REPLICA_HEADER, ""), time.monotonic() - start, str(reply.usage)))
+        except openai.APIError as err:
+            results.append(Result(False, "", time.monotonic() - start, repr(err)))
+        i += 1
+
+
+def undrain_and_kill(
+    fleet: E2EGateway,
+    target: str,
+    other: str,
+    pid: int,
+    start_load: Callable[[], object],
+    results: list[Result],
+) -> tuple[float, float, dict[str, Any]]:
+    """Once the long requests are in flight on ``target``: undrain ``other``, start the steady
+    load, and SIGKILL ``pid`` after a few steady requests (at most 3 s later).
+
+    Returns (monotonic and wall-clock time of the kill, the target's snapshot before it).
+    """
+    n = N_STREAMS + N_PINNED
+    _, snap = fleet.wait_fleet_sync(
+        lambda s: s[target]["outstanding_requests"] >= n, 30, f"{n} requests in flight on {target}"
+    )
+    fleet.admin_post(other, "undrain")
+    fleet.wait_fleet_sync(lambda s: s[other]["state"] == "healthy", 30, f"{other} back in rotation")
+    start_load()
+    deadline = time.monotonic() + 3.0
+    while len(results) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    killed_at, killed_wall = time.monotonic(), time.time()
+    os.kill(pid, signal.SIGKILL)
+    return killed_at, killed_wall, snap[target]
+
+
+async def wait_started(events: list[asyncio.Event], tasks: list[asyncio.Task[Any]], timeout_s: float) -> None:
+    """Until every stream had its first chunk; fails at once if a long request already ended."""
+    deadline = time.monotonic() + bounded(timeout_s)
+    while not all(e.is_set() for e in events):
+        ended = [t for t in tasks if t.done()]
+        assert not ended, f"a long request ended before the kill: {ended[0].exception() or ended[0].result()!r}"
+        assert time.monotonic() < deadline, f"the streams had no first chunk within {timeout_s:g} s"
+        await asyncio.sleep(0.05)
+
+
+def error_code(err: openai.APIError) -> Any:
+    return err.body.get("code") if isinstance(err.body, dict) else None
+
+
+@pytest.mark.timeout(RESTART_TIMEOUT_S + 240)
+async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: AsyncOpenAI) -> None:
+    fleet = vllm_fleet
+    snapshot = await fleet.fleet()
+    target, other = sorted(snapshot)
+    old_pid = int(snapshot[target]["pid"])
+    assert os.getpgid(old_pid) == old_pid, "the replica does not lead its own process group"
+    assert snapshot[target]["restarts"] == 0
+    retries_before = await fleet.counter("fleetgate_retries_total")
+    stream_errors_before = await fleet.counter("fleetgate_stream_errors_total")
+
+    # 1. Long streams and long non-streaming requests on the target: with the other
+    #    replica drained it is the only one the gateway may pick.
+    await fleet.drain(other)
+    started = [asyncio.Event() for _ in range(N_STREAMS)]
+    streams = [asyncio.create_task(long_stream(client, f"stream {i}", started[i])) for i in range(N_STREAMS)]
+    pinned = [asyncio.create_task(chat(client, f"pinned {i}", LONG_TOKENS)) for i in range(N_PINNED)]
+    go = asyncio.Event()
+    results: list[Result] = []
+    workers = [asyncio.create_task(steady_load(client, w, go, results)) for w in range(4)]
+    try:
+        await wait_started(started, [*streams, *pinned], 60)
+        # 2. Undrain the other replica, start the steady load, SIGKILL the target's API server,
+        #    all from a worker thread: the kill must not wait for turns of this event loop
+        #    (busy with the streams) while the long requests run out.
+        loop = asyncio.get_running_loop()
+        killed_at, killed_wall, before = await asyncio.to_thread(
+            undrain_and_kill, fleet, target, other, old_pid, lambda: loop.call_soon_threadsafe(go.set), results
+        )
+        print(f"[e2e] {target} before the kill: {before['outstanding_requests']} in flight", flush=True)
+        out_s, _ = await fleet.wait_fleet(
+            lambda s: s[target]["state"] != "healthy" or s[target]["pid"] != old_pid, 30, f"{target} out of rotation"
+        )
+        record_timing("replica SIGKILL -> /admin/fleet shows it out of rotation", out_s)
+        await asyncio.sleep(3.0)  # the survivor carries the steady load alone for a while
+        stopped_at = time.monotonic()
+        outcomes = await asyncio.gather(*streams, return_exceptions=True)
+        retried = await asyncio.gather(*pinned, return_exceptions=True)
+    finally:
+        await fleet.undrain(other)
+        for task in [*streams, *pinned, *workers]:
+            task.cancel()
+        await asyncio.gather(*streams, *pinned, *workers, return_exceptions=True)
+
+    by_replica = {rid: sum(r.replica == rid for r in results) for rid in (target, other)}
+    print(f"[e2e] steady load: {len(results)} requests, by replica {by_replica}", flush=True)
+    failures = [r for r in results if not r.ok]
+    assert not failures, f"{len(failures)} non-streaming requests failed during the kill: {failures[:5]}"
+    after_kill = sum(killed_at < r.done_at < stopped_at for r in results)
+    assert after_kill >= 4, f"too little steady load to show anything: {after_kill} requests after the kill"
+
+    for outcome in retried:
+        assert not isinstance(outcome, BaseException), f"a request in flight on the killed replica failed: {outcome!r}"
+        replica, reply = outcome
+        assert replica == other, f"expected a retry on {other}, got {replica} (finished before the kill?)"
+        assert reply.usage is not None and reply.usage.completion_tokens == LONG_TOKENS
+    retries = await fleet.counter("fleetgate_retries_total") - retries_before
+    assert retries >= N_PINNED, f"the gateway counted {retries} retries; {N_PINNED} requests were retried"
+
+    for o in outcomes:
+        assert isinstance(o, StreamOutcome), f"a stream failed outside the SSE error path: {o!r}"
+        print(f"[e2e] stream on {o.replica}: {o.chunks} chunks, then {o.error!r}", flush=True)
+        assert o.replica == target
+        assert o.error is not None, f"a stream on {target} ended normally ({o.chunks} chunks): done before the kill"
+        assert not isinstance(o.error, openai.APIConnectionError), "the stream was cut without an error event"
+        assert error_code(o.error) == "upstream_stream_error", o.error.body
+        assert 0 < o.chunks < LONG_TOKENS and o.tokens is None
+    stream_errors = await fleet.counter("fleetgate_stream_errors_total") - stream_errors_before
+    assert stream_errors >= N_STREAMS
+
+    # 3. The launcher starts a new server; it joins the rotation once /health answers.
+    _, snap = await fleet.wait_fleet(
+        lambda s: s[target]["state"] == "healthy" and s[target]["pid"] not in (None, old_pid),
+        RESTART_TIMEOUT_S - (time.monotonic() - killed_at),
+        f"{target} restarted and healthy again",
+    )
+    record_timing("replica SIGKILL -> /admin/fleet shows it restarted and healthy", time.monotonic() - killed_at)
+    assert snap[target]["restarts"] == 1
+    # The gateway's own log has the exact moments.
+    exited = fleet.logged_at("replica exited", target, killed_wall - 0.01)
+    respawned = fleet.logged_at("replica started", target, exited or killed_wall)
+    healthy = fleet.logged_at("replica healthy", target, respawned or killed_wall)
+    assert exited is not None and respawned is not None and healthy is not None, "restart missing from the log"
+    record_timing("replica SIGKILL -> launcher saw the exit", exited - killed_wall)
+    record_timing("replica SIGKILL -> new server spawned (after backoff)", respawned - killed_wall)
+    record_timing("restarted server spawned -> healthy (vLLM start)", healthy - respawned)
+
+    # 4. It serves again: the only choice while the other one is drained.
+    await fleet.drain(other)
+    try:
+        replica, reply = await chat(client, "after restart", 32)
+        assert replica == target
+        assert reply.usage is not None and reply.usage.completion_tokens == 32
+        again = await long_stream(client, "stream after restart", asyncio.Event(), max_tokens=64)
+        assert again.replica == target and again.error is None and again.tokens == 64, again
+    finally:
+        await fleet.undrain(other)
+    await fleet.wait_fleet(lambda s: s[other]["state"] == "healthy", 30, f"{other} back in rotation")
+
+    # 5. Nothing of the killed server may live on: its engine and worker are in its group.
+    if group_alive(old_pid):
+        left = describe_group(old_pid)
+        kill_group(old_pid)
+        pytest.fail(
+            f"{time.monotonic() - killed_at:.0f} s after the SIGKILL of {target}'s API server (pid {old_pid}) "
+            f"and its restart, its process group still holds {left}: the launcher restarted the replica "
+            "without signalling the dead server's process group, so vLLM's engine and worker live on (killed now)"
+        )
