@@ -91,19 +91,8 @@ def access_lines(access: io.BytesIO) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in access.getvalue().splitlines()]
 
 
-class FaultyUpstream:
-    """A vLLM-shaped upstream whose chat endpoint misbehaves as told.
-
-    ``mode``: "500" (answers 500), "drop" (sends two token events, then cuts the
-    connection), "stall_first" (waits ``delay`` before the first event), "stall_mid"
-    (one event, then silence for ``delay``), "slow_stream" (an event every 50 ms until the
-    client leaves; records the disconnect in ``disconnected``).
-    """
-
-    def __init__(self, model: str, mode: str, delay: float = 0.0) -> None:
-        self.model, self.mode, self.delay = model, mode, delay
-        self.hits = 0
-        self.disconnected = asyncio.Event()
+class _ScriptedUpstream:
+    """A vLLM-shaped server with /health, /metrics and a chat endpoint of the subclass's making."""
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -117,6 +106,24 @@ class FaultyUpstream:
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(text="vllm:num_requests_running 0\n")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+
+class FaultyUpstream(_ScriptedUpstream):
+    """A vLLM-shaped upstream whose chat endpoint misbehaves as told.
+
+    ``mode``: "500" (answers 500), "drop" (sends two token events, then cuts the
+    connection), "stall_first" (waits ``delay`` before the first event), "stall_mid"
+    (one event, then silence for ``delay``), "slow_stream" (an event every 50 ms until the
+    client leaves; records the disconnect in ``disconnected``).
+    """
+
+    def __init__(self, model: str, mode: str, delay: float = 0.0) -> None:
+        self.model, self.mode, self.delay = model, mode, delay
+        self.hits = 0
+        self.disconnected = asyncio.Event()
 
     def _event(self, text: str) -> bytes:
         chunk = {
@@ -229,7 +236,7 @@ def gateway_process(config: dict[str, Any], tmp_path: Path) -> Iterator[GatewayP
             gw.stop()
 
 
-class CountingUpstream:
+class CountingUpstream(_ScriptedUpstream):
     """A vLLM-shaped upstream that records what reached it: requests, tokens, and the most
     requests in flight at once (the ground truth for limit tests). It answers a chat
     completion after ``delay`` seconds, with usage counted the way the simulator counts."""
@@ -243,16 +250,6 @@ class CountingUpstream:
         self.tokens = 0
         self.in_flight = 0
         self.max_in_flight = 0
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", self._ok)
-        app.router.add_get("/metrics", self._ok)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        return app
-
-    async def _ok(self, _: web.Request) -> web.Response:
-        return web.Response()
 
     async def _chat(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())

@@ -21,16 +21,11 @@ import tempfile
 import time
 from types import TracebackType
 
+from replicas.launcher import free_port
+
 REDIS_BINARY = os.environ.get("REDIS_SERVER", shutil.which("redis-server") or "/usr/bin/redis-server")
 # A local redis-server is up in a few milliseconds; allow for a loaded CI machine.
 START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _answers_ping(port: int) -> bool:
