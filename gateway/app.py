@@ -44,7 +44,7 @@ from gateway.metrics import FleetCollector, GatewayMetrics
 from gateway.proxy import Exchange, Picker, Proxy
 from gateway.reload import ConfigWatcher
 from gateway.request import Endpoint, parse_call
-from gateway.settings import DEV_API_KEY, Settings, TenantSettings
+from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings
 from limits.breaker import BreakerConfig
 from limits.config import reservation
 from limits.decision import Decision, Lease
@@ -111,8 +111,11 @@ class Gateway:
     def apply_tenants(self, tenants: list[TenantSettings], admin_keys: list[str]) -> None:
         """Swap in a new set of tenants and keys (start-up and hot reload)."""
         entries = [(t.id, [k if isinstance(k, str) else (k.id, k.key) for k in t.api_keys]) for t in tenants]
-        keyring, missing = KeyRing.build(entries)
-        admin, missing_admin = KeyRing.build([("admin", admin_keys)])
+        try:
+            keyring, missing = KeyRing.build(entries)
+            admin, missing_admin = KeyRing.build([("admin", admin_keys)])
+        except ValueError as exc:  # one key for two tenants: only known once env keys resolve
+            raise ConfigError(f"tenants: {exc}") from exc
         for var in missing + missing_admin:
             log.warning("API key variable is not set; that key is disabled", extra={"variable": var})
         self.tenants = {t.id: t for t in tenants}

@@ -69,7 +69,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.server.log_level)
     config_path = Path(args.config) if args.config else None
-    uvloop.run(serve(settings, log_dir=Path(args.log_dir), config_path=config_path))
+    try:
+        uvloop.run(serve(settings, log_dir=Path(args.log_dir), config_path=config_path))
+    except ConfigError as exc:
+        print(f"fleetgate: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -80,14 +80,14 @@ class ConfigWatcher:
         self._seen = seen
         try:
             new = load_settings(self.path)
+            later = restart_needed(self.current, new)
+            self._apply(new)  # builds everything before swapping: all or nothing
         except ConfigError as exc:
             log.error("config reload refused; keeping the last good configuration", extra={"error": str(exc)})
             self._count("error")
             return False
-        later = restart_needed(self.current, new)
         if later:
             log.warning("config sections changed that apply only after a restart", extra={"sections": later})
-        self._apply(new)
         self.current = new
         self._count("ok")
         log.info("config reloaded", extra={"tenants": [t.id for t in new.tenants]})

@@ -35,3 +35,19 @@ def test_sections_needing_a_restart() -> None:
     old = Settings()
     new = Settings(server={"port": 9999}, tenants=[{"id": "x", "api_keys": ["env:X"]}])  # type: ignore[arg-type]
     assert restart_needed(old, new) == ["server"]
+
+
+def test_a_key_shared_by_two_tenants_is_refused_on_reload(tmp_path: Path) -> None:
+    from gateway.app import Gateway
+
+    path = tmp_path / "c.yaml"
+    path.write_text(TENANT)
+    gateway = Gateway(load_settings(path), log_dir=tmp_path)
+    counted: list[str] = []
+    watcher = ConfigWatcher(path, load_settings(path), gateway.apply_settings, counted.append)
+    digest = hash_key("k")
+    path.write_text(f"tenants: [{{id: a, api_keys: ['sha256:{digest}']}}, {{id: b, api_keys: ['sha256:{digest}']}}]\n")
+    os.utime(path, ns=(1, 10**18))
+    assert not watcher.check()
+    assert counted == ["error"]
+    assert set(gateway.tenants) == {"a"}  # unchanged
