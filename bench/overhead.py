@@ -43,6 +43,8 @@ import httpx
 import orjson
 import yaml
 
+from replicas.launcher import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PY = sys.executable
@@ -82,14 +84,6 @@ BAR_P50_RATIO_C1 = 1.5
 BAR_SSE_RATIO = 0.70
 BAR_IDLE_RSS_MB = 200
 BAR_STREAM_KB = 100
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:

@@ -230,6 +230,11 @@ class Gateway:
         joined = await self.proxy.with_keepalive(ex, request, self.cache.coalesce(plan.key, wait_s))
         return (joined, None) if isinstance(joined, CachedCompletion) else (None, joined)
 
+    async def finish_background(self, timeout_s: float) -> None:
+        """Let settlements still in flight reach the limit store before it closes (bounded)."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=timeout_s)
+
     async def _replay(self, request: web.Request, ex: Exchange, cached: CachedCompletion) -> web.StreamResponse:
         """Answer from the cache, in the shape the client asked for."""
         ex.headers["x-fleetgate-cache"] = "exact"
@@ -444,9 +449,7 @@ async def _lifecycle(app: web.Application) -> Any:
         gateway.ready = False
         announce.cancel()
         await gateway.fleet.drain_all(settings.server.shutdown_grace_s)
-        # Settlements still in flight must reach the limit store before it closes.
-        if gateway._background:
-            await asyncio.wait(gateway._background, timeout=settings.server.shutdown_grace_s)
+        await gateway.finish_background(settings.server.shutdown_grace_s)
 
 
 async def _announce_ready(gateway: Gateway) -> None:
