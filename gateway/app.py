@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -136,7 +137,7 @@ class Gateway:
         charged: int | None = None
         status = 500
         error_code: str | None = None
-        self.metrics.in_flight.inc()
+        self.metrics.requests_in_flight += 1
         try:
             # 1 authenticate
             key = self.keyring.owner_of(request.headers.get("Authorization"))
@@ -196,7 +197,7 @@ class Gateway:
             return error_response(internal, headers)
         finally:
             # 8 settle: limits, metrics, one log line
-            self.metrics.in_flight.dec()
+            self.metrics.requests_in_flight -= 1
             if lease is not None:
                 self._settle(lease, charged if charged is not None else _used_tokens(ex))
             self._record(endpoint, request_id, tenant_id, model, ex, status, error_code, started)
@@ -258,6 +259,8 @@ class Gateway:
         if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"The request body is larger than the {limit}-byte limit.")
         try:
+            if request.content.is_eof():  # all of it arrived with the headers: nothing to wait for
+                return await request.read()
             async with asyncio.timeout(self.settings.server.body_timeout_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
@@ -301,7 +304,7 @@ class Gateway:
         model_label = model or "-"
         m = self.metrics
         m.series(m.requests, endpoint.label, model_label, str(status)).inc()
-        m.series(m.latency, endpoint.label, model_label).observe(elapsed)
+        m.latency.observe((endpoint.label, model_label), elapsed)
         entry: dict[str, Any] = {
             "request_id": request_id,
             "tenant": tenant_id,
@@ -320,7 +323,7 @@ class Gateway:
             if ex.first_token_at is not None:
                 ttft = ex.first_token_at - started
                 entry["ttft_ms"] = round(ttft * 1000, 2)
-                m.series(m.ttft, model_label).observe(ttft)
+                m.ttft.observe((model_label,), ttft)
             if ex.usage:
                 prompt = int(ex.usage.get("prompt_tokens") or 0)
                 completion = int(ex.usage.get("completion_tokens") or 0)
@@ -330,7 +333,7 @@ class Gateway:
                     m.series(m.tokens, tenant_id, model_label, "completion").inc(completion)
             if ex.upstream_started is not None:
                 upstream = (ex.upstream_ended or now) - ex.upstream_started
-                m.series(m.overhead, endpoint.label).observe(max(0.0, elapsed - upstream))
+                m.overhead.observe((endpoint.label,), max(0.0, elapsed - upstream))
             if self.settings.server.log_prompts:
                 entry["body"] = ex.call.body
         self.access_log.write(entry)
@@ -395,11 +398,17 @@ def _used_tokens(ex: Exchange | None) -> int | None:
     return None
 
 
+# Generated request ids: a random prefix per process and a counter (unique across pods,
+# and cheaper than fresh random bytes for every request).
+_ID_PREFIX = os.urandom(6).hex()
+_ID_SERIAL = itertools.count(1)
+
+
 def _request_id(request: web.Request) -> str:
     sent = request.headers.get("x-request-id")
     if sent and len(sent) <= _MAX_REQUEST_ID and sent.isprintable():
         return sent
-    return os.urandom(12).hex()
+    return f"{_ID_PREFIX}{next(_ID_SERIAL):012x}"
 
 
 def create_app(gateway: Gateway) -> web.Application:
@@ -450,6 +459,7 @@ async def _lifecycle(app: web.Application) -> Any:
         announce.cancel()
         await gateway.fleet.drain_all(settings.server.shutdown_grace_s)
         await gateway.finish_background(settings.server.shutdown_grace_s)
+        gateway.access_log.flush()
 
 
 async def _announce_ready(gateway: Gateway) -> None:

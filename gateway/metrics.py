@@ -23,17 +23,25 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
-class TokenGapHistogram(Collector):
-    """Inter-token latency, fed a whole stream's gaps at once.
+class LocalHistogram(Collector):
+    """A histogram without locks, for the request path (one event-loop thread).
 
-    A stream relays up to thousands of events a second; observing each gap through a
-    locked ``Histogram.observe`` would cost more than relaying the event. Streams bucket
-    their gaps locally (``Gaps``) and merge once when they end.
+    ``prometheus_client.Histogram.observe`` takes a lock per bucket and walks the bounds in
+    Python; this one bisects and adds. Inter-token gaps go further: a stream relays up to
+    thousands of events a second, so it buckets its gaps locally (``Gaps``) and merges once
+    when it ends.
     """
 
     def __init__(self, name: str, doc: str, bounds: Sequence[float], labels: Sequence[str]) -> None:
         self._name, self._doc, self._bounds, self._labels = name, doc, tuple(bounds), tuple(labels)
         self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+
+    def observe(self, label_values: tuple[str, ...], value: float) -> None:
+        series = self._series.get(label_values)
+        if series is None:
+            series = self._series[label_values] = ([0] * (len(self._bounds) + 1), [0.0])
+        series[0][bisect_left(self._bounds, value)] += 1
+        series[1][0] += value
 
     def new_gaps(self) -> Gaps:
         return Gaps(self._bounds)
@@ -93,41 +101,42 @@ class GatewayMetrics:
             ["endpoint", "model", "status"],
             registry=r,
         )
-        self.latency = Histogram(
+        self.latency = LocalHistogram(
             "fleetgate_request_duration_seconds",
             "Time from request to last byte sent.",
+            LATENCY_BUCKETS,
             ["endpoint", "model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = LocalHistogram(
             "fleetgate_time_to_first_token_seconds",
             "Time from request to the first token event sent.",
+            LATENCY_BUCKETS,
             ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.itl = TokenGapHistogram(
+        self.itl = LocalHistogram(
             "fleetgate_inter_token_latency_seconds",
             "Gap between token events relayed to the client.",
             ITL_BUCKETS,
             ["model"],
         )
-        r.register(self.itl)
         self.tokens = Counter(
             "fleetgate_tokens",
             "Tokens by direction (prompt/completion), as reported by replicas.",
             ["tenant", "model", "direction"],
             registry=r,
         )
+        # A plain count the request path bumps without a lock; read at scrape time.
+        self.requests_in_flight = 0
         self.in_flight = Gauge("fleetgate_requests_in_flight", "Requests being served now.", registry=r)
-        self.overhead = Histogram(
+        self.in_flight.set_function(lambda: self.requests_in_flight)
+        self.overhead = LocalHistogram(
             "fleetgate_overhead_seconds",
             "Gateway's own time per request: total minus time waiting on the upstream.",
+            OVERHEAD_BUCKETS,
             ["endpoint"],
-            buckets=OVERHEAD_BUCKETS,
-            registry=r,
         )
+        for histogram in (self.latency, self.ttft, self.itl, self.overhead):
+            r.register(histogram)
         self.upstream_errors = Counter(
             "fleetgate_upstream_errors",
             "Failed upstream attempts by replica and kind.",

@@ -29,6 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request import Call
 from gateway.settings import UpstreamSettings
 from gateway.sse import SseScanner, error_event
+from gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from replicas.replica import Claim, Replica
 
 KEEPALIVE = b": keep-alive\n\n"
@@ -77,32 +78,30 @@ class Exchange:
 
 
 class Proxy:
-    """Owns the pooled client session to every replica."""
+    """Owns the pooled keep-alive connections to every replica (``gateway.upstream``)."""
 
     def __init__(self, settings: UpstreamSettings, metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
-        self._session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+        self._client: UpstreamClient | None = None
 
     async def __aenter__(self) -> Proxy:
-        connector = aiohttp.TCPConnector(limit=self.settings.pool_size, ttl_dns_cache=300, enable_cleanup_closed=True)
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=self._timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        self._client = UpstreamClient(
+            connect_timeout_s=self.settings.connect_timeout_s, max_idle_per_origin=self.settings.pool_size
         )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def client(self) -> UpstreamClient:
+        if self._client is None:
             raise RuntimeError("Proxy used outside its 'async with' block")
-        return self._session
+        return self._client
 
     # -- shared by both paths -------------------------------------------------------------
 
@@ -171,17 +170,18 @@ class Proxy:
         url = replica.base_url + call.endpoint.value
         ex.upstream_started = self.clock()
         try:
-            async with asyncio.timeout(self.settings.request_timeout_s):
-                async with self.session.post(
-                    url, data=call.upstream_body(replica.served_model), headers=self._request_headers(ex)
-                ) as resp:
-                    body = await resp.read()
-                    status = resp.status
-                    ctype = resp.content_type or "application/json"
+            status, ctype, body = await self.client.fetch(
+                "POST",
+                url,
+                call.upstream_body(replica.served_model),
+                self._request_headers(ex),
+                timeout_s=self.settings.request_timeout_s,
+            )
+            ctype = ctype or "application/json"
         except TimeoutError as exc:
             raise UpstreamFailure("timeout", f"{replica.id} timed out") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailure("connect", f"{replica.id}: {exc.__class__.__name__}") from exc
+        except UpstreamError as exc:
+            raise UpstreamFailure("connect", f"{replica.id}: {exc}") from exc
         finally:
             ex.upstream_ended = self.clock()
         if status >= 500:
@@ -232,7 +232,7 @@ class Proxy:
 
     async def _open_with_keepalive(
         self, ex: Exchange, replica: Replica, request: web.Request
-    ) -> tuple[aiohttp.ClientResponse | web.Response, bytes]:
+    ) -> tuple[UpstreamResponse | web.Response, bytes]:
         return await self.with_keepalive(ex, request, self._open(ex, replica))
 
     async def with_keepalive(self, ex: Exchange, request: web.Request, work: Awaitable[T]) -> T:
@@ -252,17 +252,18 @@ class Proxy:
                 with contextlib.suppress(BaseException):
                     await task
 
-    async def _open(self, ex: Exchange, replica: Replica) -> tuple[aiohttp.ClientResponse | web.Response, bytes]:
+    async def _open(self, ex: Exchange, replica: Replica) -> tuple[UpstreamResponse | web.Response, bytes]:
         """Send the request and read the first chunk, within ``first_byte_timeout_s``."""
         call = ex.call
         ex.upstream_started = self.clock()
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                resp = await self.session.post(
+                resp = await self.client.open(
+                    "POST",
                     replica.base_url + call.endpoint.value,
-                    data=call.upstream_body(replica.served_model),
-                    headers=self._request_headers(ex),
+                    call.upstream_body(replica.served_model),
+                    self._request_headers(ex),
                 )
                 if resp.status != 200:
                     body = await resp.read()
@@ -277,7 +278,7 @@ class Proxy:
                         content_type="application/json",
                         headers=ex.headers,
                     ), b""
-                first = await resp.content.readany()
+                first = await resp.readany()
                 if not first:
                     resp.release()
                     raise UpstreamFailure("eof", f"{replica.id} closed the stream before any token")
@@ -286,10 +287,10 @@ class Proxy:
             if resp is not None:
                 resp.close()
             raise UpstreamFailure("timeout", f"{replica.id} sent nothing in time") from exc
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             if resp is not None:
                 resp.close()
-            raise UpstreamFailure("connect", f"{replica.id}: {exc.__class__.__name__}") from exc
+            raise UpstreamFailure("connect", f"{replica.id}: {exc}") from exc
 
     async def prepare(self, ex: Exchange, request: web.Request) -> web.StreamResponse:
         headers = dict(ex.headers)
@@ -304,7 +305,7 @@ class Proxy:
     async def _relay(
         self,
         ex: Exchange,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         first: bytes,
         claim: Claim,
         request: web.Request,
@@ -331,7 +332,7 @@ class Proxy:
         try:
             async with asyncio.timeout_at(loop.time() + gap) as deadline:
                 while not scanner.done:
-                    chunk = await upstream.content.readany()
+                    chunk = await upstream.readany()
                     if not chunk:
                         break
                     deadline.reschedule(loop.time() + gap)
@@ -347,7 +348,7 @@ class Proxy:
                         await response.write(out)
         except TimeoutError:
             await self._broken(ex, response, f"The replica sent nothing for {gap:g} s; the stream was cut.")
-        except aiohttp.ClientError:
+        except UpstreamError:
             await self._broken(ex, response, "The replica's connection broke mid-stream.")
         else:
             if not scanner.done:

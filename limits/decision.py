@@ -30,7 +30,7 @@ class Reason(StrEnum):
     STORE_UNAVAILABLE = "store_unavailable"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, and a frozen __init__ is 3x slower
 class RateView:
     """A store's figures for the most constraining bucket of one kind."""
 
@@ -39,7 +39,7 @@ class RateView:
     reset_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, and a frozen __init__ is 3x slower
 class Outcome:
     """A store's raw answer to one admission."""
 
@@ -89,7 +89,7 @@ class Lease:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request, and a frozen __init__ is 3x slower
 class RateInfo:
     """One kind's header figures: limit per minute, remaining now, seconds to full."""
 
@@ -214,10 +214,10 @@ def decide(
     bucket = plan.find_bucket(failed)
     if bucket is None:
         raise ValueError(f"store reported an unknown failed check {failed!r}")
-    return reject(*_bucket_rejection(bucket, outcome.retry_after_s), "rate_limit_exceeded")
+    return reject(*_bucket_rejection(bucket, plan.cost(bucket), outcome.retry_after_s), "rate_limit_exceeded")
 
 
-def _bucket_rejection(bucket: BucketSpec, retry: float) -> tuple[Reason, float, str]:
+def _bucket_rejection(bucket: BucketSpec, cost: int, retry: float) -> tuple[Reason, float, str]:
     where = bucket.scope.describe()
     if bucket.kind == "requests":
         message = f"Rate limit reached for requests per minute{where} (limit {bucket.limit}). {_retry_words(retry)}"
@@ -226,12 +226,12 @@ def _bucket_rejection(bucket: BucketSpec, retry: float) -> tuple[Reason, float, 
         # Larger than the bucket can ever hold: waiting will not help (OpenAI's wording).
         message = (
             f"Request too large for tokens per minute{where} (limit {bucket.limit}, "
-            f"burst {bucket.burst}, requested {bucket.cost}). Reduce the prompt or max_tokens."
+            f"burst {bucket.burst}, requested {cost}). Reduce the prompt or max_tokens."
         )
         return Reason.TOKENS_PER_MINUTE, 0.0, message
     message = (
         f"Rate limit reached for tokens per minute{where} (limit {bucket.limit}, "
-        f"requested {bucket.cost}). {_retry_words(retry)}"
+        f"requested {cost}). {_retry_words(retry)}"
     )
     return Reason.TOKENS_PER_MINUTE, retry, message
 

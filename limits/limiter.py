@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 import time
@@ -32,7 +33,7 @@ from limits.config import TenantLimits
 from limits.decision import Decision, Lease, LeaseOrigin, Outcome, decide, unavailable
 from limits.memory_store import MemoryStore
 from limits.metrics import DEFAULT, LimitsMetrics
-from limits.plan import AdmissionPlan, Subject, build_plan
+from limits.plan import AdmissionPlan, PlanCache, Subject, build_plan
 from limits.redis_store import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S, RedisStore
 from limits.store import LimitStore, StoreUnavailableError
 
@@ -101,12 +102,17 @@ class Limiter:
         self._live_replicas = live_replicas
         self._peers = 1
         self._clock = clock
-        self._new_id = new_id or (lambda: secrets.token_hex(12))
-        self._instance = self._new_id()
+        # Lease ids: this process's random prefix and a counter (unique across gateways,
+        # and cheaper per request than fresh random bytes).
+        prefix = secrets.token_hex(8)
+        serial = itertools.count(1)
+        self._new_id = new_id or (lambda: f"{prefix}.{next(serial)}")
+        self._instance = prefix if new_id is None else new_id()
         self.metrics = metrics or DEFAULT
         self.breaker = CircuitBreaker(self.options.breaker)
         # Leases not yet settled: for renewal, and to make settle idempotent.
         self._live: dict[str, _Held] = {}
+        self._plans = PlanCache()
         self._task: asyncio.Task[None] | None = None
         self._last_beat = float("-inf")
         self._closed = False
@@ -119,15 +125,15 @@ class Limiter:
             raise RuntimeError("Limiter is closed")
         if limits is None:
             return Decision(True, lease=Lease("", subject.tenant, 0, "none"))
-        plan = build_plan(subject, limits, reserve_tokens)
+        plan = self._plans.plan(subject, limits, reserve_tokens)
         if plan.empty:
             return Decision(True, lease=Lease("", subject.tenant, 0, "none"))
         self._start_background()
         lease_id = self._new_id()
         ttl = self.options.lease_ttl_s
         if not self._shared:
-            outcome = await self._store.admit(plan, lease_id, ttl)
-            return self._conclude(plan, outcome, lease_id, "store")
+            assert isinstance(self._store, MemoryStore)
+            return self._conclude(plan, self._store.admit_now(plan, lease_id, ttl), lease_id, "store")
         result = await self._call("admit", lambda: self._store.admit(plan, lease_id, ttl))
         if not isinstance(result, _Skip):
             return self._conclude(plan, result, lease_id, "store")
@@ -170,10 +176,11 @@ class Limiter:
 
     def _count_settle(self, lease: Lease, used_tokens: int | None) -> None:
         self._live.pop(lease.id, None)
+        series = self.metrics.tenant(lease.tenant)
         if used_tokens is None:
-            self.metrics.releases.labels(lease.tenant).inc()
+            series.releases.inc()
         else:
-            self.metrics.tokens_settled.labels(lease.tenant).inc(max(used_tokens, 0))
+            series.tokens_settled.inc(max(used_tokens, 0))
 
     async def renew(self, lease: Lease) -> bool:
         """Extend a held lease by one TTL; False if it expired or the store is unreachable."""
@@ -202,12 +209,13 @@ class Limiter:
     def _conclude(self, plan: AdmissionPlan, outcome: Outcome, lease_id: str, origin: LeaseOrigin) -> Decision:
         lease: Lease | None = None
         if outcome.allowed:
+            series = self.metrics.tenant(plan.tenant)
             lease = Lease.from_plan(lease_id, plan, origin)
             if lease.origin != "none":
                 now = self._clock()
                 self._live[lease_id] = _Held(lease, now, now)
-                self.metrics.tokens_reserved.labels(plan.tenant).inc(plan.reserve)
-            self.metrics.admissions.labels(plan.tenant, origin).inc()
+                series.tokens_reserved.inc(plan.reserve)
+            (series.admitted_fallback if origin == "fallback" else series.admitted).inc()
         decision = decide(
             plan,
             outcome,

@@ -145,7 +145,7 @@ class MemoryStore:
         quotas = plan.tokens_per_day is not None or plan.tokens_per_month is not None
         if quotas:
             t.roll(now)
-        verdicts = [gcra.check(self._bucket(t, b.field, b.rate, now), b.cost, now, b.rate) for b in plan.buckets]
+        verdicts = [gcra.check(self._bucket(t, b.field, b.rate, now), plan.cost(b), now, b.rate) for b in plan.buckets]
         requests, tokens = _view(plan, verdicts, "requests"), _view(plan, verdicts, "tokens")
         failed, retry = self._first_failure(plan, t, verdicts, now)
         if failed:

@@ -8,6 +8,9 @@ their own ``LimitsMetrics`` on a private registry.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 # Redis answers an EVALSHA in well under a millisecond on a LAN; the buckets resolve that
@@ -15,11 +18,23 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
+@dataclass(frozen=True, slots=True)
+class TenantSeries:
+    """One tenant's children of the per-request counters, looked up once (``labels`` is slow)."""
+
+    admitted: Any
+    admitted_fallback: Any
+    tokens_reserved: Any
+    tokens_settled: Any
+    releases: Any
+
+
 class LimitsMetrics:
     """The counters, histogram and gauge the limiter updates."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.registry = registry
+        self._tenants: dict[str, TenantSeries] = {}
         self.admissions = Counter(
             "fleetgate_limits_admissions_total",
             "Requests admitted, by tenant and by where the decision was taken.",
@@ -74,6 +89,19 @@ class LimitsMetrics:
             ["tenant", "policy"],
             registry=registry,
         )
+
+    def tenant(self, tenant: str) -> TenantSeries:
+        """The per-request series of ``tenant`` (tenant ids come from config: bounded)."""
+        series = self._tenants.get(tenant)
+        if series is None:
+            series = self._tenants[tenant] = TenantSeries(
+                self.admissions.labels(tenant, "store"),
+                self.admissions.labels(tenant, "fallback"),
+                self.tokens_reserved.labels(tenant),
+                self.tokens_settled.labels(tenant),
+                self.releases.labels(tenant),
+            )
+        return series
 
     def sample(self, name: str, **labels: str) -> float:
         """A current value, e.g. ``sample("fleetgate_limits_fallback_active")``; 0 if unset."""

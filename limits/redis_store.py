@@ -178,7 +178,7 @@ class RedisStore:
         args.append(str(len(plan.buckets)))
         for b in plan.buckets:
             kind = "r" if b.kind == "requests" else "t"
-            args += (b.field, kind, _num(b.rate.interval), _num(b.rate.tolerance), str(b.cost))
+            args += (b.field, kind, _num(b.rate.interval), _num(b.rate.tolerance), str(plan.cost(b)))
         reply = await self._run(ADMIT, self.keys(plan.tenant), args)
         allowed, failed, retry, rf, rr, rs, tf, tr, ts, now = reply
         return Outcome(

@@ -77,7 +77,7 @@ def test_plan_scopes_and_fields() -> None:
     fields = [b.field for b in plan.buckets]
     assert fields == ["t|rpm", "t|tpm", "k:batch|rpm", "m:big-model|tpm"]
     assert [c.field for c in plan.caps] == ["t|c", "k:batch|c"]
-    assert [b.cost for b in plan.buckets] == [1, 700, 1, 700]
+    assert [plan.cost(b) for b in plan.buckets] == [1, 700, 1, 700]
     assert plan.tokens_per_day == 1_000_000 and plan.tokens_per_month is None
     assert plan.holds_lease and plan.needs_settle
     # 600 rpm with a burst of 100: one request per 0.1 s, 10 s of tolerance.

@@ -1,0 +1,223 @@
+"""The replica client (gateway/upstream.py) against real servers: aiohttp ones, and raw sockets for broken HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+
+from gateway.upstream import UpstreamClient, UpstreamError
+from tests.integration.harness import serve_app
+
+
+class Counting:
+    """An aiohttp app that counts the TCP connections it was asked over."""
+
+    def __init__(self) -> None:
+        self.peers: set[object] = set()
+        self.app = web.Application()
+        self.app.router.add_post("/echo", self.echo)
+        self.app.router.add_post("/stream", self.stream)
+
+    async def echo(self, request: web.Request) -> web.Response:
+        self.peers.add(request.transport.get_extra_info("peername") if request.transport else None)
+        body = await request.read()
+        return web.Response(body=body, content_type="application/json", headers={"x-seen": request.headers["x-a"]})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        response.content_type = "text/event-stream"
+        await response.prepare(request)
+        for i in range(3):
+            await response.write(f"data: {i}\n\n".encode())
+            await asyncio.sleep(0.02)
+        await response.write_eof()
+        return response
+
+
+@contextlib.asynccontextmanager
+async def raw_server(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    await reader.readexactly(length)
+
+
+async def test_fetch_reuses_one_keep_alive_connection() -> None:
+    server = Counting()
+    async with serve_app(server.app) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        for i in range(3):
+            status, ctype, body = await client.fetch(
+                "POST", url + "/echo", b'{"n": %d}' % i, {"x-a": str(i), "Content-Type": "application/json"}
+            )
+            assert (status, ctype, body) == (200, "application/json", b'{"n": %d}' % i)
+        await client.close()
+    assert len(server.peers) == 1
+
+
+async def test_stream_arrives_in_chunks_then_ends() -> None:
+    async with serve_app(Counting().app) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        response = await client.open("POST", url + "/stream", b"{}")
+        assert response.status == 200 and response.content_type == "text/event-stream"
+        chunks = []
+        while chunk := await response.readany():
+            chunks.append(chunk)
+        response.release()
+        assert b"".join(chunks) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        assert len(chunks) >= 2, "the body should arrive as it is written, not at the end"
+        await client.close()
+
+
+async def test_a_connection_closed_while_idle_is_replaced_once() -> None:
+    """The replica answers with keep-alive, then drops the idle connection (as servers do)."""
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async with raw_server(handle) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        assert (await client.fetch("POST", url + "/", b"x"))[2] == b"ok"
+        await asyncio.sleep(0.05)  # the close reaches the client...
+        assert (await client.fetch("POST", url + "/", b"x"))[2] == b"ok"
+        await client.close()
+    assert connections == 2
+
+
+async def test_a_body_ended_by_closing_the_connection() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello")
+        await writer.drain()
+        writer.close()
+
+    async with raw_server(handle) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        assert await client.fetch("POST", url + "/", b"x") == (200, "", b"hello")
+        await client.close()
+
+
+async def test_a_body_cut_short_is_an_error() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten..")
+        await writer.drain()
+        writer.close()
+
+    async with raw_server(handle) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        with pytest.raises(UpstreamError):
+            await client.fetch("POST", url + "/", b"x")
+        await client.close()
+
+
+async def test_garbage_is_an_error() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SMTP ready\r\n\r\n")
+        await writer.drain()
+
+    async with raw_server(handle) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        with pytest.raises(UpstreamError, match="invalid HTTP"):
+            await client.fetch("POST", url + "/", b"x")
+        await client.close()
+
+
+async def test_refused_connection_is_an_error() -> None:
+    async with raw_server(read_request) as url:  # type: ignore[arg-type]
+        pass  # closed again: nothing listens on that port now
+    client = UpstreamClient(connect_timeout_s=1)
+    with pytest.raises(UpstreamError, match="cannot connect"):
+        await client.fetch("POST", url + "/", b"x")
+    await client.close()
+
+
+async def test_timeout_bounds_the_whole_exchange_and_drops_the_connection() -> None:
+    seen: list[asyncio.StreamReader] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(reader)
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nslow")  # and the rest never comes
+        await writer.drain()
+        await reader.read()  # returns when the client closes
+
+    async with raw_server(handle) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        with pytest.raises(TimeoutError):
+            await client.fetch("POST", url + "/", b"x", timeout_s=0.2)
+        await asyncio.sleep(0.05)
+        assert seen[0].at_eof(), "the client should have closed the connection"
+        assert not any(client._idle.values()), "a half-read connection must not go back to the pool"
+        await client.close()
+
+
+async def test_cancelling_a_fetch_is_not_a_timeout() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    async with raw_server(handle) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        task = asyncio.create_task(client.fetch("POST", url + "/", b"x", timeout_s=5))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
+async def test_a_large_stream_read_slowly_arrives_whole() -> None:
+    """Past the high-water mark the socket pauses; reading resumes it; nothing is lost."""
+    payload = bytes(range(256)) * 8192  # 2 MiB
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for i in range(0, len(payload), 65536):
+            await response.write(payload[i : i + 65536])
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/big", big)
+    async with serve_app(app) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        response = await client.open("POST", url + "/big")
+        await asyncio.sleep(0.2)  # let it pile up
+        received = bytearray()
+        while chunk := await response.readany():
+            received += chunk
+            await asyncio.sleep(0)
+        response.release()
+        assert bytes(received) == payload
+        await client.close()
+
+
+async def test_header_values_cannot_smuggle_lines() -> None:
+    client = UpstreamClient(connect_timeout_s=1)
+    with pytest.raises(UpstreamError, match="line break"):
+        await client.fetch("POST", "http://127.0.0.1:9/", b"", {"X-Request-Id": "a\r\nEvil: 1"})
+    await client.close()
