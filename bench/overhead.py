@@ -2,10 +2,11 @@
 
 One command (needs `nginx` and `wrk`: `apt-get install nginx-light wrk`)::
 
-    .venv/bin/python bench/overhead.py [--duration 10]
+    .venv/bin/python bench/overhead.py [--duration 10] [--rounds 3]
 
 Method (all in one run, so the ratios hold on a shared, noisy machine):
-- core 0: the proxy under test, alone (`taskset -c 0`).
+- core 0: the proxies under test (`taskset -c 0`), started once; only the one under load is busy.
+- Each point runs `--rounds` times, bare proxy and fleetgate alternating; medians are reported.
 - core 1: nginx (one worker) answering a fixed chat completion, the SSE upstream, and
   the load generators (wrk for JSON; a Python client for streams).
 - JSON: wrk, keep-alive, POST /v1/chat/completions with a small body, `--duration` s per
@@ -31,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,7 +68,7 @@ COMPLETION = {
     "usage": {"prompt_tokens": 14, "completion_tokens": 9, "total_tokens": 23},
 }
 METHOD = (
-    "- core 0: the proxy under test, alone (`taskset -c 0`).",
+    "- core 0: the proxies under test (`taskset -c 0`), all started once; only the one under load is busy.",
     "- core 1: nginx (one worker) answering a fixed chat completion, the SSE upstream, and the load generators"
     " (wrk for JSON; a Python aiohttp client for streams).",
     "- JSON: wrk, keep-alive, POST /v1/chat/completions with a small body, at concurrency 1 and 32, against"
@@ -298,9 +300,14 @@ def gateway_config(port: int, json_url: str, sse_url: str, slow_url: str) -> dic
     }
 
 
+def median_by(results: list[WrkResult], key: str) -> float:
+    return float(statistics.median(getattr(r, key) for r in results))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=int, default=10, help="seconds per load point")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating bare/fleetgate rounds per point")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--open-streams", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.md")
@@ -323,10 +330,13 @@ def main() -> int:
         'wrk.headers["Content-Type"] = "application/json"\n'
         f'wrk.headers["Authorization"] = "Bearer {API_KEY}"\n'
     )
-    results: dict[str, object] = {"duration_s": args.duration}
-    json_rows: dict[str, dict[int, WrkResult]] = {}
-    sse_rows: dict[str, tuple[float, float | None]] = {}
-    total_points = 9
+    # Per point and system, one result per round; bare and fleetgate alternate within a round.
+    json_runs: dict[str, dict[int, list[WrkResult]]] = {
+        "bare aiohttp proxy": {1: [], 32: []},
+        "fleetgate": {1: [], 32: []},
+    }
+    sse_runs: dict[str, list[tuple[float, float | None]]] = {"bare aiohttp relay": [], "fleetgate": []}
+    total_points = 2 + 2 * args.rounds + args.rounds + 1
     done = 0
 
     def progress(label: str) -> None:
@@ -346,23 +356,14 @@ def main() -> int:
                 tmp / "slow.log",
             )
         )
-        wait_http(f"http://127.0.0.1:{p_nginx}/health")
-        wait_http(f"http://127.0.0.1:{p_sse}/health")
-        wait_http(f"http://127.0.0.1:{p_slow}/health")
-        direct = f"http://127.0.0.1:{p_nginx}/v1/chat/completions"
-        json_rows["upstream direct (nginx)"] = {c: wrk(direct, c, args.duration, script) for c in (1, 32)}
+        for port in (p_nginx, p_sse, p_slow):
+            wait_http(f"http://127.0.0.1:{port}/health")
+        direct_url = f"http://127.0.0.1:{p_nginx}/v1/chat/completions"
+        direct = {c: wrk(direct_url, c, args.duration, script) for c in (1, 32)}
+        sse_direct = stream_rate(
+            f"http://127.0.0.1:{p_sse}/v1/chat/completions", "bench", args.streams, args.duration, None
+        )
         progress("upstream direct")
-
-        with process(
-            [PY, "bench/bare_proxy.py", "--port", str(p_bare), "--upstream", f"http://127.0.0.1:{p_nginx}"],
-            0,
-            tmp / "bare.log",
-        ):
-            wait_http(f"http://127.0.0.1:{p_bare}/health")
-            url = f"http://127.0.0.1:{p_bare}/v1/chat/completions"
-            wrk(url, 32, 2, script)  # warm-up
-            json_rows["bare aiohttp proxy"] = {c: wrk(url, c, args.duration, script) for c in (1, 32)}
-            progress("bare proxy")
 
         cfg = tmp / "gateway.yaml"
         cfg.write_text(
@@ -372,6 +373,21 @@ def main() -> int:
                 )
             )
         )
+        # Both proxies live on core 0 for the whole run; only the one under load uses it.
+        stack.enter_context(
+            process(
+                [PY, "bench/bare_proxy.py", "--port", str(p_bare), "--upstream", f"http://127.0.0.1:{p_nginx}"],
+                0,
+                tmp / "bare.log",
+            )
+        )
+        bare_sse = stack.enter_context(
+            process(
+                [PY, "bench/bare_proxy.py", "--port", str(p_bare_sse), "--upstream", f"http://127.0.0.1:{p_sse}"],
+                0,
+                tmp / "bare-sse.log",
+            )
+        )
         gw = stack.enter_context(
             process(
                 [PY, "-m", "gateway.cli", "serve", "--config", str(cfg), "--log-dir", str(tmp / "logs")],
@@ -379,51 +395,61 @@ def main() -> int:
                 tmp / "gateway.log",
             )
         )
+        wait_http(f"http://127.0.0.1:{p_bare}/health")
+        wait_http(f"http://127.0.0.1:{p_bare_sse}/health")
         wait_http(f"http://127.0.0.1:{p_gw}/readyz")
         time.sleep(2.0)
         idle_rss = rss_mb(child_pid(gw))
-        url = f"http://127.0.0.1:{p_gw}/v1/chat/completions"
-        wrk(url, 32, 2, script)  # warm-up
-        json_rows["fleetgate"] = {c: wrk(url, c, args.duration, script) for c in (1, 32)}
-        progress("fleetgate JSON")
+        urls = {
+            "bare aiohttp proxy": f"http://127.0.0.1:{p_bare}/v1/chat/completions",
+            "fleetgate": f"http://127.0.0.1:{p_gw}/v1/chat/completions",
+        }
+        for url in urls.values():
+            wrk(url, 32, 2, script)  # warm-up
+        progress("warm-up")
+        for c in (1, 32):
+            for r in range(args.rounds):
+                for name, url in urls.items():
+                    json_runs[name][c].append(wrk(url, c, args.duration, script))
+                progress(f"JSON c={c} round {r + 1}")
 
-        # Streams
-        sse_rows["upstream direct"] = stream_rate(
-            f"http://127.0.0.1:{p_sse}/v1/chat/completions", "bench", args.streams, args.duration, None
-        )
-        progress("streams direct")
-        with process(
-            [PY, "bench/bare_proxy.py", "--port", str(p_bare_sse), "--upstream", f"http://127.0.0.1:{p_sse}"],
-            0,
-            tmp / "bare-sse.log",
-        ) as bare:
-            wait_http(f"http://127.0.0.1:{p_bare_sse}/health")
-            sse_rows["bare aiohttp relay"] = stream_rate(
-                f"http://127.0.0.1:{p_bare_sse}/v1/chat/completions",
-                "bench",
-                args.streams,
-                args.duration,
-                child_pid(bare),
+        for r in range(args.rounds):
+            sse_runs["bare aiohttp relay"].append(
+                stream_rate(
+                    f"http://127.0.0.1:{p_bare_sse}/v1/chat/completions",
+                    "bench",
+                    args.streams,
+                    args.duration,
+                    child_pid(bare_sse),
+                )
             )
-        progress("streams bare")
-        sse_rows["fleetgate"] = stream_rate(url, "bench-stream", args.streams, args.duration, child_pid(gw))
-        progress("streams fleetgate")
+            sse_runs["fleetgate"].append(
+                stream_rate(urls["fleetgate"], "bench-stream", args.streams, args.duration, child_pid(gw))
+            )
+            progress(f"streams round {r + 1}")
 
-        before, during = open_streams_rss(url, "bench-slow", args.open_streams, child_pid(gw))
+        before, during = open_streams_rss(urls["fleetgate"], "bench-slow", args.open_streams, child_pid(gw))
         progress("open streams")
         per_stream_kb = (during - before) * 1024 / args.open_streams
         after_rss = rss_mb(child_pid(gw))
 
-    bare, fg = json_rows["bare aiohttp proxy"], json_rows["fleetgate"]
-    ratios = {
-        "rps_c32_vs_bare": fg[32].rps / bare[32].rps,
-        "p50_c1_vs_bare": fg[1].p50_ms / bare[1].p50_ms,
-        "sse_vs_bare": sse_rows["fleetgate"][0] / sse_rows["bare aiohttp relay"][0],
+    bare, fg = json_runs["bare aiohttp proxy"], json_runs["fleetgate"]
+    bare_sse_runs, fg_sse_runs = sse_runs["bare aiohttp relay"], sse_runs["fleetgate"]
+    per_round = {
+        "rps_c32_vs_bare": [f.rps / b.rps for b, f in zip(bare[32], fg[32], strict=True)],
+        "p50_c1_vs_bare": [f.p50_ms / b.p50_ms for b, f in zip(bare[1], fg[1], strict=True)],
+        "sse_vs_bare": [f[0] / b[0] for b, f in zip(bare_sse_runs, fg_sse_runs, strict=True)],
     }
+    ratios = {k: statistics.median(v) for k, v in per_round.items()}
+    results: dict[str, object] = {}
     results.update(
         {
-            "json": {k: {c: vars(r) for c, r in v.items()} for k, v in json_rows.items()},
-            "sse": {k: {"events_per_s": r, "proxy_cpu_us_per_event": c} for k, (r, c) in sse_rows.items()},
+            "duration_s": args.duration,
+            "rounds": args.rounds,
+            "json_direct": {c: vars(r) for c, r in direct.items()},
+            "json": {k: {c: [vars(r) for r in runs] for c, runs in v.items()} for k, v in json_runs.items()},
+            "sse_direct_events_per_s": sse_direct[0],
+            "sse": {k: [{"events_per_s": r, "proxy_cpu_us_per_event": c} for r, c in v] for k, v in sse_runs.items()},
             "memory": {
                 "idle_rss_mb": idle_rss,
                 "rss_before_streams_mb": before,
@@ -432,10 +458,13 @@ def main() -> int:
                 "kb_per_stream": per_stream_kb,
                 "rss_after_mb": after_rss,
             },
+            "ratios_per_round": per_round,
             "ratios": ratios,
         }
     )
-    write_report(args.out, results, json_rows, sse_rows, idle_rss, before, during, per_stream_kb, ratios, args)
+    write_report(
+        args, direct, sse_direct, json_runs, sse_runs, per_round, ratios, idle_rss, before, during, per_stream_kb
+    )
     args.out.with_suffix(".json").write_bytes(
         orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
     )
@@ -445,50 +474,73 @@ def main() -> int:
 
 
 def write_report(
-    out: Path,
-    results: dict[str, object],
-    json_rows: dict[str, dict[int, WrkResult]],
-    sse_rows: dict[str, tuple[float, float | None]],
+    args: argparse.Namespace,
+    direct: dict[int, WrkResult],
+    sse_direct: tuple[float, float | None],
+    json_runs: dict[str, dict[int, list[WrkResult]]],
+    sse_runs: dict[str, list[tuple[float, float | None]]],
+    per_round: dict[str, list[float]],
+    ratios: dict[str, float],
     idle: float,
     before: float,
     during: float,
     per_stream_kb: float,
-    ratios: dict[str, float],
-    args: argparse.Namespace,
 ) -> None:
     def verdict(ok: bool) -> str:
         return "pass" if ok else "**FAIL**"
+
+    def row(name: str, a: WrkResult, b: WrkResult, errors: int) -> str:
+        return (
+            f"| {name} | {a.rps:,.0f} | {a.p50_ms:.3f} | {a.p99_ms:.3f} | {b.rps:,.0f} | {b.p50_ms:.3f} "
+            f"| {b.p99_ms:.3f} | {errors} |"
+        )
+
+    def med(runs: list[WrkResult]) -> WrkResult:
+        return WrkResult(
+            median_by(runs, "rps"), median_by(runs, "p50_ms"), median_by(runs, "p99_ms"), sum(r.errors for r in runs)
+        )
+
+    def listing(values: list[float], fmt: str) -> str:
+        return ", ".join(format(v, fmt) for v in values)
 
     lines = [
         "# Gateway overhead",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `.venv/bin/python bench/overhead.py"
-        f" --duration {args.duration}` on this machine ({os.cpu_count()} cores, shared).",
+        f" --duration {args.duration} --rounds {args.rounds}` on this machine ({os.cpu_count()} cores, shared;"
+        f" load average at the end {os.getloadavg()[0]:.1f}).",
         "",
         "## Method (all in one run, so the ratios hold on a shared, noisy machine)",
         "",
         *METHOD,
         "",
-        "## JSON requests (wrk, keep-alive)",
+        f"Each point is measured {args.rounds} times, the bare proxy and fleetgate alternating within a round, so"
+        " that a burst of load from elsewhere hits both alike. Tables give the median over rounds; each bar is"
+        " judged on the median of the per-round ratios (listed below the bars).",
+        "",
+        "## JSON requests (wrk, keep-alive; medians over rounds)",
         "",
         "| system | c=1 req/s | c=1 p50 ms | c=1 p99 ms | c=32 req/s | c=32 p50 ms | c=32 p99 ms | errors |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        row("upstream direct (nginx)", direct[1], direct[32], direct[1].errors + direct[32].errors),
     ]
-    for name, row in json_rows.items():
-        a, b = row[1], row[32]
-        lines.append(
-            f"| {name} | {a.rps:,.0f} | {a.p50_ms:.3f} | {a.p99_ms:.3f} | {b.rps:,.0f} | {b.p50_ms:.3f} "
-            f"| {b.p99_ms:.3f} | {a.errors + b.errors} |"
-        )
+    for name, runs in json_runs.items():
+        a, b = med(runs[1]), med(runs[32])
+        lines.append(row(name, a, b, a.errors + b.errors))
     lines += [
         "",
-        f"## Streams ({args.streams} concurrent, 200 events each)",
+        f"## Streams ({args.streams} concurrent, 200 events each; medians over rounds)",
         "",
         "| system | events/s relayed | proxy CPU µs per event |",
         "| --- | ---: | ---: |",
+        f"| upstream direct | {sse_direct[0]:,.0f} | - |",
     ]
-    for name, (rate, cpu) in sse_rows.items():
-        lines.append(f"| {name} | {rate:,.0f} | {'-' if cpu is None else f'{cpu:.1f}'} |")
+    for name, sse in sse_runs.items():
+        rate = statistics.median(r for r, _ in sse)
+        cpus = [c for _, c in sse if c is not None]
+        lines.append(
+            f"| {name} | {rate:,.0f} | {statistics.median(cpus):.1f} |" if cpus else f"| {name} | {rate:,.0f} | - |"
+        )
     lines += [
         "",
         "## Memory (fleetgate process)",
@@ -510,9 +562,15 @@ def write_report(
         f"| idle RSS < {BAR_IDLE_RSS_MB} MB | {idle:.0f} MB | {verdict(idle < BAR_IDLE_RSS_MB)} |",
         f"| < {BAR_STREAM_KB} KB per open stream | {per_stream_kb:.0f} KB | {verdict(per_stream_kb < BAR_STREAM_KB)} |",
         "",
+        "Per-round ratios (fleetgate / bare):",
+        "",
+        f"- req/s at c=32: {listing(per_round['rps_c32_vs_bare'], '.2f')}",
+        f"- p50 at c=1: {listing(per_round['p50_c1_vs_bare'], '.2f')}",
+        f"- SSE events/s: {listing(per_round['sse_vs_bare'], '.2f')}",
+        "",
     ]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
