@@ -30,9 +30,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-# Unread stream data past which the socket stops reading until the reader catches up.
+# Unread stream data past which the socket stops reading until the reader drains it.
 _HIGH_WATER = 256 * 1024
-_LOW_WATER = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -56,7 +55,6 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._parser = httptools.HttpResponseParser(self)
-        self._loop = asyncio.get_running_loop()
         self._reset()
 
     def _reset(self) -> None:
@@ -72,6 +70,9 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.response is None:  # bytes on an idle connection: it cannot be trusted with the next exchange
+            self.close()
+            return
         self.received_any = True
         try:
             self._parser.feed_data(data)
