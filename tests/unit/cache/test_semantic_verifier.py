@@ -143,6 +143,32 @@ def test_shipped_parameters_load(verifier: SemanticVerifier) -> None:
     assert params.info["split_seed"] == 20240611
 
 
+def test_the_shipped_threshold_keeps_the_out_of_fold_margin(verifier: SemanticVerifier) -> None:
+    info = verifier.params.info
+    oof = info["out_of_fold"]
+    # Chosen under the 2% bar, for pairs alone and for lookups in an index alike...
+    assert info["target_false_hits"] < 0.02
+    assert oof["false_hits"] <= info["target_false_hits"]
+    assert oof["index_false_hits"] <= info["target_false_hits"]
+    # ...so it is at least as strict as the looser 2% setting reported beside it.
+    assert verifier.threshold >= info["threshold_at_2pct_oof"]
+
+
+def test_averaged_ensembles_are_one_ensemble() -> None:
+    # Two one-split models averaged in log-odds: every leaf halved, baselines averaged.
+    stump = {"feature": [0, -1, -1], "threshold": [0.5, 0, 0], "left": [1, 0, 0], "right": [2, 0, 0]}
+    averaged = TreeEnsemble.from_json(
+        {
+            "baseline": (0.2 + 0.4) / 2,
+            "depth": 2,
+            "trees": [{**stump, "value": [0, -1.0 / 2, 3.0 / 2]}, {**stump, "value": [0, 1.0 / 2, 1.0 / 2]}],
+        }
+    )
+    rows = np.array([[0.1], [0.9]], dtype=np.float32)
+    expected = [sigmoid(((0.2 - 1.0) + (0.4 + 1.0)) / 2), sigmoid(((0.2 + 3.0) + (0.4 + 1.0)) / 2)]
+    np.testing.assert_allclose(averaged.predict(rows), expected, rtol=1e-6)
+
+
 def test_the_same_words_are_a_hit_whatever_the_model_says(verifier: SemanticVerifier) -> None:
     u = unit_vector(3)
     verdict = verifier.verify("How can I lose weight quickly?", "how can I lose weight quickly ?", u, u, 0.99)
