@@ -22,6 +22,18 @@ Process-wide (top-level ``cache:``)::
       coalesce: true
       coalesce_max_wait_s: 300
       coalesce_linger_s: 1.0
+      semantic:                     # the semantic cache's runtime (on for the tenants that enable it)
+        model_dir: null             # a sentence-transformers model; default: all-MiniLM-L6-v2 (package)
+        verifier_path: null         # verifier parameters trained for that model; default: shipped
+        threshold: null             # the verifier's score threshold; default: the trained one
+        embed_timeout_ms: 100       # a lookup whose text is not embedded by then is a miss
+        max_pending: 64             # texts queued or being embedded; past it, lookups skip
+        max_text_chars: 1000        # longer texts are not matched by meaning
+        batch_size: 64
+        batch_wait_ms: 1.5
+        stream_max_len: 10000       # Redis: events kept for other processes to catch up
+        sync_block_ms: 1000         # Redis: longest blocking read of the event stream
+        load_timeout_s: 30          # Redis: start-up waits this long for the initial load
 
 Only deterministic requests are cached by default (temperature 0, or a fixed seed): replaying
 a sampled answer to a client that asked for sampling would silently turn variety into
@@ -59,9 +71,51 @@ class _Frozen(BaseModel):
 
 
 class SemanticCacheSettings(_Frozen):
-    """The semantic cache of one tenant (thresholds and guards live with its implementation)."""
+    """The semantic cache of one tenant (thresholds and guards live with its implementation).
+
+    It answers only requests the exact cache may answer (``enabled`` and the same rules),
+    and finds the answers through the exact cache's entries.
+    """
 
     enabled: bool = False
+
+
+# A lone text costs ~13 ms on one thread, a batch of 32 ~130 ms: 100 ms lets an idle or
+# moderately busy embedder answer and turns a backlog into a quick miss instead of a wait.
+DEFAULT_EMBED_TIMEOUT_MS = 100.0
+# At ~4 ms per text in a batch, 64 queued texts already take ~250 ms, far past the embed
+# timeout: more would only be embedded for lookups that have given up.
+DEFAULT_MAX_PENDING = 64
+# all-MiniLM-L6-v2 reads at most 256 word pieces (~1,000 characters of English) and ignores
+# the rest: two long prompts that differ only past that point would embed identically. The
+# verifier was also trained on questions, not documents.
+DEFAULT_MAX_TEXT_CHARS = 1000
+# Events kept in the Redis stream: a process that falls further behind reloads everything.
+DEFAULT_STREAM_MAX_LEN = 10_000
+
+
+class SemanticServiceSettings(_Frozen):
+    """Process-wide semantic cache runtime (``cache.semantic``); tenants opt in one by one.
+
+    Nothing here loads a model: the embedder starts only when a tenant enables the
+    semantic cache (``tenants[].cache.semantic.enabled``).
+    """
+
+    model_dir: str | None = None
+    verifier_path: str | None = None
+    threshold: float | None = Field(None, ge=0, le=1)
+    embed_timeout_ms: float = Field(DEFAULT_EMBED_TIMEOUT_MS, gt=0, le=60_000)
+    max_pending: int = Field(DEFAULT_MAX_PENDING, ge=1)
+    max_text_chars: int = Field(DEFAULT_MAX_TEXT_CHARS, ge=1)
+    batch_size: int = Field(64, ge=1, le=4096)
+    batch_wait_ms: float = Field(1.5, ge=0, le=1000)
+    stream_max_len: int = Field(DEFAULT_STREAM_MAX_LEN, ge=100)
+    sync_block_ms: int = Field(1000, ge=10, le=60_000)
+    load_timeout_s: float = Field(30.0, ge=0)
+
+    @property
+    def embed_timeout_s(self) -> float:
+        return self.embed_timeout_ms / 1000
 
 
 class CacheSettings(_Frozen):
@@ -87,6 +141,7 @@ class CacheServiceSettings(_Frozen):
     coalesce: bool = True
     coalesce_max_wait_s: float = Field(DEFAULT_COALESCE_MAX_WAIT_S, gt=0)
     coalesce_linger_s: float = Field(DEFAULT_COALESCE_LINGER_S, ge=0)
+    semantic: SemanticServiceSettings = SemanticServiceSettings()
 
     @property
     def lookup_timeout_s(self) -> float:

@@ -29,6 +29,12 @@ and ``[{"type": "text", ...}]`` differently, so they stay different keys.
 Tenant isolation: the tenant's scope is hashed into the digest *and* prefixes the key
 (``<scope>:<sha256 hex>``), so a hit across tenants would need a SHA-256 collision, and a
 store can place each tenant's entries under its own Redis hash tag.
+
+The semantic cache (``semantic_query``) splits the same canonical body in two: the text
+it compares by meaning (the last user message, or the completions prompt) and everything
+else, which must match exactly. That rest (system prompt, earlier turns, tools, sampling
+parameters, endpoint, model, tenant) is hashed into a *semantic scope*,
+``<tenant>:<sha256 hex>``; only entries of the same scope are ever compared.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from cache.entry import Kind
 
 # Bump when the canonical form changes: old entries then simply stop matching.
 KEY_VERSION = "fg-exact-1"
+SEMANTIC_SCOPE_VERSION = "fg-semantic-1"
 
 NOT_IN_KEY = frozenset(
     {"model", "stream", "stream_options", "user", "metadata", "store", "service_tier", "priority", "request_id"}
@@ -107,6 +114,19 @@ def parse_cache_control(header: str | None) -> CacheDirectives:
 
 
 @dataclass(frozen=True, slots=True)
+class SemanticQuery:
+    """What the semantic cache compares for one request: a scope that must match, and a text."""
+
+    scope: str  # "<escaped tenant>:<sha256 hex>" of everything but the text
+    text: str
+
+    @property
+    def tenant(self) -> str:
+        """The escaped tenant id the scope starts with (``split_key`` works on scopes too)."""
+        return split_key(self.scope)[0]
+
+
+@dataclass(frozen=True, slots=True)
 class CachePlan:
     """What the exact cache does for one request; ``key`` is None when it does nothing."""
 
@@ -115,6 +135,8 @@ class CachePlan:
     store: bool
     # Why the cache is (partly) bypassed, for the bypass metric; CACHEABLE when it is not.
     reason: Cacheability
+    # Set when the tenant's semantic cache may also answer (or keep) this request.
+    semantic: SemanticQuery | None = None
 
     @property
     def coalesce(self) -> bool:
@@ -221,6 +243,45 @@ def exact_key(scope: str, model: str, endpoint: str, body: dict[str, Any]) -> st
         option=orjson.OPT_SORT_KEYS,
     )
     return f"{escape_scope(scope)}:{hashlib.sha256(material).hexdigest()}"
+
+
+def semantic_query(scope: str, model: str, endpoint: str, body: dict[str, Any]) -> SemanticQuery | None:
+    """The text to match by meaning and the exact-match scope around it; None if there is none.
+
+    Chat: the last message, when it is a user message with string content (a tool result or
+    a multi-part message is not a question the embedder was made for). Completions: the one
+    prompt string. The scope hashes ``canonical_body`` with that text taken out (the last
+    message keeps its other fields), so every other field, known or not, splits the scope
+    exactly as it splits the exact key.
+    """
+    kind = endpoint_kind(endpoint)
+    rest = dict(body)
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+            return None
+        last = messages[-1]
+        text = last.get("content")
+        if last.get("role") != "user" or not isinstance(text, str):
+            return None
+        rest["messages"] = [*messages[:-1], {k: v for k, v in last.items() if k != "content"}]
+    elif kind == "completion":
+        text = body.get("prompt")
+        if isinstance(text, list) and len(text) == 1:
+            text = text[0]
+        if not isinstance(text, str):
+            return None
+        del rest["prompt"]
+    else:
+        return None
+    text = text.strip()
+    if not text:
+        return None
+    material = orjson.dumps(
+        [SEMANTIC_SCOPE_VERSION, scope, model, endpoint, canonical_body(rest)],
+        option=orjson.OPT_SORT_KEYS,
+    )
+    return SemanticQuery(f"{escape_scope(scope)}:{hashlib.sha256(material).hexdigest()}", text)
 
 
 def escape_scope(scope: str) -> str:

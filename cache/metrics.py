@@ -7,6 +7,11 @@ No tenant label: per-tenant cache traffic follows from the gateway's request met
 (the gateway's own), never implicitly on the process-wide one, so several gateways can share
 a test process.
 
+Semantic lookups embed the text first, so their latency has its own, longer buckets in the
+same histogram (``kind="semantic"``); the embedder's own cost is in
+``fleetgate_cache_embed_seconds`` and its batching in ``fleetgate_cache_embed_batches_total``
+/ ``fleetgate_cache_embed_texts_total`` (mean batch size = the ratio of their rates).
+
 The hit ratio is exported for convenience over the process's lifetime; dashboards should
 use rates: ``sum(rate(fleetgate_cache_lookups_total{result="hit"}[5m])) /
 sum(rate(fleetgate_cache_lookups_total[5m]))``.
@@ -14,15 +19,36 @@ sum(rate(fleetgate_cache_lookups_total[5m]))``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 KINDS = ("exact", "semantic")
 LOOKUP_RESULTS = ("hit", "miss", "timeout", "unavailable", "error")
 # A memory lookup takes microseconds, a Redis one a fraction of a millisecond; the buckets
 # stretch to the lookup timeout and a bit beyond, so slow calls show before they fail.
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+# A semantic lookup embeds its text (~13 ms alone, more when queued behind a batch), so the
+# top buckets reach past its embed timeout.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+EMBED_BUCKETS = (0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Why a semantic lookup found no answer, or which rule made it a hit (SemanticVerifier's
+# reasons, plus answer_gone: the verified entry's answer had expired or been evicted).
+SEMANTIC_VERDICTS = ("verified", "same_words", "below_cosine_floor", "low_score", "no_candidate", "answer_gone")
+SYNC_EVENTS = ("applied", "reload", "gap", "error")
+
+
+class EmbedderStatsCollector(Collector):
+    """Batches and texts an embedder has run, read from its ``stats`` when scraped."""
+
+    def __init__(self, stats: Callable[[], tuple[int, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        batches, texts = self._stats()
+        yield CounterMetricFamily("fleetgate_cache_embed_batches", "Batches the embedder ran.", value=batches)
+        yield CounterMetricFamily("fleetgate_cache_embed_texts", "Texts the embedder embedded.", value=texts)
 
 
 class CacheMetrics:
@@ -85,12 +111,36 @@ class CacheMetrics:
             ["kind"],
             registry=r,
         )
+        self.embed_latency = Histogram(
+            "fleetgate_cache_embed_seconds",
+            "Time from asking for an embedding to getting it (queueing and batching included).",
+            buckets=EMBED_BUCKETS,
+            registry=r,
+        )
+        self.embed_pending = Gauge(
+            "fleetgate_cache_embed_pending",
+            "Texts waiting for or being embedded (lookups skip the semantic cache past max_pending).",
+            registry=r,
+        )
+        self.semantic_verdicts = Counter(
+            "fleetgate_cache_semantic_verdicts_total",
+            "Semantic lookups that reached the verifier, by its reason (verified, same_words, low_score, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.semantic_sync = Counter(
+            "fleetgate_cache_semantic_sync_total",
+            "Shared semantic index: events applied, full reloads, sequence gaps found, errors.",
+            ["event"],
+            registry=r,
+        )
         # Plain tallies for the ratio: reading the counters back would re-enter the registry
         # while it is being collected.
         self._hits = dict.fromkeys(KINDS, 0)
         self._total = dict.fromkeys(KINDS, 0)
         for kind in KINDS:
             self.hit_ratio.labels(kind).set_function(self._ratio(kind))
+        self._embedder_stats: EmbedderStatsCollector | None = None
 
     def record_lookup(self, kind: str, result: str, seconds: float) -> None:
         """One lookup of ``kind`` ended with ``result`` (one of ``LOOKUP_RESULTS``) after ``seconds``."""
@@ -99,6 +149,12 @@ class CacheMetrics:
         self._total[kind] = self._total.get(kind, 0) + 1
         if result == "hit":
             self._hits[kind] = self._hits.get(kind, 0) + 1
+
+    def watch_embedder(self, stats: Callable[[], tuple[int, int]]) -> None:
+        """Export an embedder's batch and text counts (once per registry)."""
+        if self._embedder_stats is None:
+            self._embedder_stats = EmbedderStatsCollector(stats)
+            self.registry.register(self._embedder_stats)
 
     def _ratio(self, kind: str) -> Callable[[], float]:
         def ratio() -> float:

@@ -153,7 +153,7 @@ class RedisStore:
     async def get(self, key: str) -> bytes | None:
         value_key, lru, _ = self.redis_keys(key)
         _, digest = split_key(key)
-        value = await self._guard(lambda: self._get(keys=[value_key, lru], args=[digest]), self._lookup_timeout_s)
+        value = await self.guarded(lambda: self._get(keys=[value_key, lru], args=[digest]), self._lookup_timeout_s)
         return bytes(value) if value is not None else None
 
     async def set(self, key: str, value: bytes, *, ttl_s: float, max_entries: int) -> int:
@@ -161,10 +161,24 @@ class RedisStore:
         _, digest = split_key(key)
         ttl_ms = max(1, round(ttl_s * 1000))
         args: list[Any] = [value, ttl_ms, max_entries, digest, value_prefix]
-        evicted = await self._guard(lambda: self._set(keys=[value_key, lru], args=args), self._store_timeout_s)
+        evicted = await self.guarded(lambda: self._set(keys=[value_key, lru], args=args), self._store_timeout_s)
         return int(evicted)
 
-    async def _guard(self, call: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
+    @property
+    def client(self) -> Redis:
+        """The shared client (the semantic cache's store runs its scripts on the same pool)."""
+        return self._client
+
+    @property
+    def lookup_timeout_s(self) -> float:
+        return self._lookup_timeout_s
+
+    @property
+    def store_timeout_s(self) -> float:
+        return self._store_timeout_s
+
+    async def guarded(self, call: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
+        """Run ``call`` within ``timeout_s`` behind the breaker; failures raise ``CacheUnavailable``."""
         if self._closed:
             raise RuntimeError("RedisStore is closed")
         if not self.breaker.allow(self._clock()):

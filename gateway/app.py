@@ -26,7 +26,7 @@ from cache.entry import CachedCompletion
 from cache.keys import CachePlan, endpoint_kind
 from cache.metrics import CacheMetrics
 from cache.replay import new_completion_id, replay_json, replay_sse
-from cache.service import ResponseCache, create_cache_store
+from cache.service import CacheHit, ResponseCache, create_response_cache
 from gateway.admin import AdminApi
 from gateway.auth import KeyRing
 from gateway.errors import (
@@ -84,10 +84,11 @@ class Gateway:
         self.fleet = Fleet(settings.models, settings.health, restart=settings.restart, log_dir=log_dir, clock=clock)
         self.metrics.registry.register(FleetCollector(self.fleet.all, clock))
         self.proxy = Proxy(settings.upstream, self.metrics, clock)
-        self.cache = ResponseCache(
-            create_cache_store(settings.redis_url, settings.cache),
+        self.cache = create_response_cache(
+            settings.redis_url,
             settings.cache,
             CacheMetrics(self.metrics.registry),
+            start_semantic=any(t.cache.enabled and t.cache.semantic.enabled for t in settings.tenants),
         )
         ls = settings.limits
         self.limiter = create_limiter(
@@ -165,7 +166,7 @@ class Gateway:
             if cached is not None:
                 response = await self._replay(request, ex, cached)
                 status = ex.status
-                charged = ResponseCache.tokens_to_charge(cached, tenant.cache)
+                charged = ResponseCache.tokens_to_charge(cached.completion, tenant.cache)
                 return response
             headers["x-fleetgate-cache"] = "miss"
             # 6 route + 7 proxy
@@ -178,7 +179,7 @@ class Gateway:
                 if leader is not None and ex.completion is not None:
                     leader.publish(ex.completion)
             if plan.store and plan.key is not None and ex.completion is not None:
-                self.cache.store_later(plan.key, ex.completion, tenant.cache)
+                self.cache.store_later(plan.key, ex.completion, tenant.cache, plan.semantic)
             status = ex.status or response.status
             error_code = ex.error_code
             return response
@@ -214,8 +215,9 @@ class Gateway:
 
     async def _from_cache(
         self, request: web.Request, ex: Exchange, plan: CachePlan, tenant: TenantSettings
-    ) -> tuple[CachedCompletion | None, Leader | None]:
-        """A cached answer; else, for a cacheable request, the ``Leader`` that goes upstream.
+    ) -> tuple[CacheHit | None, Leader | None]:
+        """A cached answer (exact or semantic); else, for a cacheable request, the ``Leader``
+        that goes upstream.
 
         A request identical to one in flight waits for that one's answer (a streaming
         client gets keep-alives meanwhile) instead of going upstream itself.
@@ -224,21 +226,22 @@ class Gateway:
             return None, None
         ex.cache_kind = endpoint_kind(ex.call.endpoint)
         ex.cache_max_chars = tenant.cache.max_entry_bytes
-        cached = await self.cache.lookup(plan.key) if plan.lookup else None
+        cached = await self.cache.find(plan)
         if cached is not None or not plan.coalesce:
             return cached, None
         wait_s = self.settings.upstream.first_byte_timeout_s
         joined = await self.proxy.with_keepalive(ex, request, self.cache.coalesce(plan.key, wait_s))
-        return (joined, None) if isinstance(joined, CachedCompletion) else (None, joined)
+        return (CacheHit("exact", joined), None) if isinstance(joined, CachedCompletion) else (None, joined)
 
     async def finish_background(self, timeout_s: float) -> None:
         """Let settlements still in flight reach the limit store before it closes (bounded)."""
         if self._background:
             await asyncio.wait(self._background, timeout=timeout_s)
 
-    async def _replay(self, request: web.Request, ex: Exchange, cached: CachedCompletion) -> web.StreamResponse:
+    async def _replay(self, request: web.Request, ex: Exchange, hit: CacheHit) -> web.StreamResponse:
         """Answer from the cache, in the shape the client asked for."""
-        ex.headers["x-fleetgate-cache"] = "exact"
+        ex.headers["x-fleetgate-cache"] = hit.kind
+        cached = hit.completion
         ex.usage = cached.usage
         ex.status = 200
         ex.first_token_at = self.clock()

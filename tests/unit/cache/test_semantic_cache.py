@@ -1,0 +1,227 @@
+"""The semantic cache in one process (memory stores, the hashing embedder, the real verifier).
+
+Questions with the same words in the same order are a hit whatever the embedder (the
+verifier's rule), so these tests need no model; the real one is in tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from cache.config import CacheServiceSettings, CacheSettings, SemanticCacheSettings, SemanticServiceSettings
+from cache.embedder import Embeddings, HashingEmbedder
+from cache.entry import CachedCompletion
+from cache.memory_store import MemoryStore
+from cache.metrics import CacheMetrics
+from cache.semantic import SemanticCache, State
+from cache.semantic_store import MemorySemanticStore
+from cache.service import ResponseCache, create_response_cache
+
+CHAT = "/v1/chat/completions"
+ANSWER = CachedCompletion("chat", "m", "Paris.", "stop", 12, 2)
+ON = CacheSettings(semantic=SemanticCacheSettings(enabled=True))
+
+
+class GatedEmbedder:
+    """The hashing embedder, answering only once ``gate`` is set; counts its calls."""
+
+    def __init__(self) -> None:
+        self.inner = HashingEmbedder()
+        self.gate = asyncio.Event()
+        self.calls = 0
+
+    @property
+    def dimension(self) -> int:
+        return self.inner.dimension
+
+    async def embed(self, texts: Sequence[str]) -> Embeddings:
+        self.calls += 1
+        await self.gate.wait()
+        return self.inner.embed_now(texts)
+
+
+class BrokenEmbedder(HashingEmbedder):
+    async def embed(self, texts: Sequence[str]) -> Embeddings:
+        raise RuntimeError("model crashed")
+
+
+def body(question: str, **fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": question}], "temperature": 0, **fields}
+
+
+def make(embedder: Any = None, **semantic: Any) -> ResponseCache:
+    metrics = CacheMetrics()
+    settings = CacheServiceSettings(semantic=SemanticServiceSettings(**semantic))
+    cache = SemanticCache(settings.semantic, MemorySemanticStore(), metrics, embedder=embedder or HashingEmbedder())
+    return ResponseCache(MemoryStore(), settings, metrics, semantic=cache, start_semantic=True)
+
+
+def sample(cache: ResponseCache, name: str, **labels: str) -> float:
+    return cache.metrics.sample(name, **labels)
+
+
+async def remember(cache: ResponseCache, question: str, tenant: str = "t1", **fields: Any) -> None:
+    plan = cache.plan(tenant, "m", CHAT, body(question, **fields), ON, None)
+    assert plan.key is not None
+    assert await cache.find(plan) is None
+    cache.store_later(plan.key, ANSWER, ON, plan.semantic)
+    await asyncio.gather(*cache._pending)
+
+
+async def ask(cache: ResponseCache, question: str, tenant: str = "t1", **fields: Any) -> str:
+    hit = await cache.find(cache.plan(tenant, "m", CHAT, body(question, **fields), ON, None))
+    return "miss" if hit is None else hit.kind
+
+
+async def test_a_rephrasing_hits_within_its_scope_only() -> None:
+    async with make() as cache:
+        await remember(cache, "What is the capital of France?")
+        assert await ask(cache, "What is the capital of France?") == "exact"
+        assert await ask(cache, "what is the capital of france") == "semantic"
+        assert await ask(cache, "what is the capital of france", tenant="t2") == "miss"
+        assert await ask(cache, "what is the capital of france", max_tokens=5) == "miss"
+        assert await ask(cache, "How tall is Mount Everest?") == "miss"
+        assert sample(cache, "fleetgate_cache_lookups_total", kind="semantic", result="hit") == 1
+        assert sample(cache, "fleetgate_cache_lookups_total", kind="semantic", result="miss") == 4  # 1 at store
+        assert sample(cache, "fleetgate_cache_semantic_verdicts_total", reason="same_words") == 1
+        assert sample(cache, "fleetgate_cache_stores_total", kind="semantic", result="stored") == 1
+        assert sample(cache, "fleetgate_cache_entries", kind="semantic") == 1
+        assert sample(cache, "fleetgate_cache_lookup_seconds_count", kind="semantic") == 5
+        assert sample(cache, "fleetgate_cache_embed_seconds_count") >= 3
+
+
+async def test_only_tenants_that_enable_it_and_only_short_texts() -> None:
+    async with make(max_text_chars=40) as cache:
+        plan = cache.plan("t1", "m", CHAT, body("What is the capital of France?"), CacheSettings(), None)
+        assert plan.semantic is None
+        long_text = "What is the capital of France, and why is it not Lyon?"
+        assert cache.plan("t1", "m", CHAT, body(long_text), ON, None).semantic is None
+        assert sample(cache, "fleetgate_cache_bypass_total", reason="semantic_long_text") == 1
+        tool = body("x")
+        tool["messages"].append({"role": "tool", "content": "42", "tool_call_id": "c"})
+        assert cache.plan("t1", "m", CHAT, tool, ON, None).semantic is None
+        assert sample(cache, "fleetgate_cache_bypass_total", reason="semantic_no_text") == 1
+        # Sampled requests are not cached at all, by meaning or otherwise.
+        assert cache.plan("t1", "m", CHAT, body("x", temperature=1), ON, None).key is None
+
+
+async def test_cache_control_is_honoured() -> None:
+    async with make() as cache:
+        plan = cache.plan("t1", "m", CHAT, body("What is the capital of France?"), ON, "no-store")
+        assert not plan.store  # the gateway then never calls store_later
+        await remember(cache, "What is the capital of France?")
+        no_cache = cache.plan("t1", "m", CHAT, body("what is the capital of france"), ON, "no-cache")
+        assert await cache.find(no_cache) is None
+        assert sample(cache, "fleetgate_cache_lookups_total", kind="semantic", result="hit") == 0
+
+
+async def test_a_slow_embedder_is_a_timeout_and_its_vector_serves_the_store() -> None:
+    embedder = GatedEmbedder()
+    async with make(embedder, embed_timeout_ms=20) as cache:
+        plan = cache.plan("t1", "m", CHAT, body("What is the capital of France?"), ON, None)
+        assert plan.key is not None
+        assert await cache.find(plan) is None
+        assert sample(cache, "fleetgate_cache_lookups_total", kind="semantic", result="timeout") == 1
+        embedder.gate.set()
+        cache.store_later(plan.key, ANSWER, ON, plan.semantic)
+        await asyncio.gather(*cache._pending)
+        assert embedder.calls == 1  # the lookup's embedding, finished in the background
+        assert await ask(cache, "what is the capital of france") == "semantic"
+
+
+async def test_a_backlogged_embedder_is_skipped() -> None:
+    embedder = GatedEmbedder()
+    async with make(embedder, embed_timeout_ms=5000, max_pending=2) as cache:
+        waiting = [asyncio.create_task(ask(cache, f"question number {n}")) for n in range(2)]
+        await asyncio.sleep(0.01)
+        assert await ask(cache, "one more question") == "miss"
+        assert sample(cache, "fleetgate_cache_lookups_total", kind="semantic", result="unavailable") == 1
+        assert sample(cache, "fleetgate_cache_embed_pending") == 2
+        embedder.gate.set()
+        assert await asyncio.gather(*waiting) == ["miss", "miss"]
+
+
+async def test_a_failing_embedder_is_an_error_not_a_failure() -> None:
+    async with make(BrokenEmbedder()) as cache:
+        assert await ask(cache, "What is the capital of France?") == "miss"
+        assert sample(cache, "fleetgate_cache_lookups_total", kind="semantic", result="error") == 1
+
+
+async def test_an_entry_whose_answer_is_gone_is_forgotten() -> None:
+    async with make() as cache:
+        await remember(cache, "What is the capital of France?")
+        assert isinstance(cache.store_backend, MemoryStore)
+        cache.store_backend._scopes.clear()  # the answer was evicted from the exact cache
+        assert await ask(cache, "what is the capital of france") == "miss"
+        assert sample(cache, "fleetgate_cache_semantic_verdicts_total", reason="answer_gone") == 1
+        assert sample(cache, "fleetgate_cache_entries", kind="semantic") == 0
+
+
+async def test_the_tenant_bound_evicts_semantic_entries() -> None:
+    async with make() as cache:
+        small = CacheSettings(max_entries=2, semantic=SemanticCacheSettings(enabled=True))
+        for n in range(4):
+            plan = cache.plan("t1", "m", CHAT, body(f"Question {n} about rivers?"), small, None)
+            assert plan.key is not None
+            cache.store_later(plan.key, ANSWER, small, plan.semantic)
+            await asyncio.gather(*cache._pending)
+        assert sample(cache, "fleetgate_cache_evictions_total", kind="semantic") == 2
+        assert sample(cache, "fleetgate_cache_entries", kind="semantic") == 2
+
+
+async def test_entries_expire_with_the_tenant_ttl() -> None:
+    now = [1000.0]
+    metrics = CacheMetrics()
+    settings = SemanticServiceSettings()
+    semantic = SemanticCache(
+        settings, MemorySemanticStore(lambda: now[0]), metrics, embedder=HashingEmbedder(), wall_clock=lambda: now[0]
+    )
+    async with ResponseCache(MemoryStore(), metrics=metrics, semantic=semantic, start_semantic=True) as cache:
+        short = CacheSettings(ttl_s=10, semantic=SemanticCacheSettings(enabled=True))
+        plan = cache.plan("t1", "m", CHAT, body("What is the capital of France?"), short, None)
+        assert plan.key is not None and plan.semantic is not None
+        await semantic.store(plan.semantic, plan.key, short)
+        query = cache.plan("t1", "m", CHAT, body("what is the capital of france"), short, None).semantic
+        assert query is not None
+        assert (await semantic.lookup(query)).result == "hit"
+        now[0] += 10
+        assert (await semantic.lookup(query)).result == "miss"
+        assert semantic.index is not None and len(semantic.index) == 0
+
+
+async def test_nothing_loads_until_a_tenant_asks() -> None:
+    metrics = CacheMetrics()
+    cache = create_response_cache(None, CacheServiceSettings(), metrics)
+    async with cache:
+        assert cache.semantic is not None and cache.semantic.state is State.IDLE
+        cache.plan("t1", "m", CHAT, body("hi"), CacheSettings(), None)
+        assert cache.semantic.state is State.IDLE
+
+
+async def test_a_tenant_enabled_later_starts_it_in_the_background() -> None:
+    metrics = CacheMetrics()
+    semantic = SemanticCache(SemanticServiceSettings(), MemorySemanticStore(), metrics, embedder=HashingEmbedder())
+    async with ResponseCache(MemoryStore(), metrics=metrics, semantic=semantic) as cache:
+        assert semantic.state is State.IDLE
+        assert await ask(cache, "What is the capital of France?") == "miss"  # starts it
+        assert sample(cache, "fleetgate_cache_lookups_total", kind="semantic", result="unavailable") == 1
+        for _ in range(100):
+            if semantic.ready:
+                break
+            await asyncio.sleep(0.01)
+        assert semantic.ready
+
+
+async def test_an_embedder_of_another_dimension_is_refused_at_start() -> None:
+    metrics = CacheMetrics()
+    semantic = SemanticCache(
+        SemanticServiceSettings(), MemorySemanticStore(), metrics, embedder=HashingEmbedder(dimension=64)
+    )
+    with pytest.raises(ValueError, match="verifier_path"):
+        async with ResponseCache(MemoryStore(), metrics=metrics, semantic=semantic, start_semantic=True):
+            pass
+    assert semantic.state is State.CLOSED
