@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import random
 import time
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
 from aiohttp import web
 from prometheus_client import REGISTRY, generate_latest
 
@@ -30,7 +32,9 @@ from cache.service import CacheHit, ResponseCache, create_response_cache
 from gateway.admin import AdminApi
 from gateway.auth import KeyRing
 from gateway.errors import (
+    BadRequest,
     GatewayError,
+    GatewayTimeout,
     InternalError,
     MethodNotAllowed,
     NotFound,
@@ -42,9 +46,9 @@ from gateway.errors import (
 )
 from gateway.logs import AccessLog
 from gateway.metrics import FleetCollector, GatewayMetrics
-from gateway.proxy import Exchange, Picker, Proxy
+from gateway.proxy import Exchange, Proxy
 from gateway.reload import ConfigWatcher
-from gateway.request import Endpoint, parse_call
+from gateway.request import Call, Endpoint, parse_call
 from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings
 from limits.breaker import BreakerConfig
 from limits.config import reservation
@@ -52,14 +56,23 @@ from limits.decision import Decision, Lease
 from limits.limiter import LimiterOptions, create_limiter
 from limits.plan import Subject
 from replicas.fleet import Fleet
-from replicas.replica import Replica
-from routing.least_outstanding import pick_least_outstanding
+from routing.admission import Admitted
+from routing.config import PRIORITIES, Priority
+from routing.fair_queue import RejectReason
+from routing.metrics import QueueCollector, RoutingMetrics
+from routing.router import PoolSpec, Route, Router, TierChoice
 
 log = logging.getLogger("fleetgate.app")
 
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 # nginx's "client closed request": the client left before the response ended.
 CLIENT_CLOSED = 499
+# Routing request headers: force a tier (where the tenant allows it), bound the request's
+# time, lower its queueing priority. The response carries x-fleetgate-route (debug).
+TIER_HEADER = "x-fleetgate-tier"
+TIMEOUT_HEADER = "x-fleetgate-timeout-ms"
+PRIORITY_HEADER = "x-fleetgate-priority"
+ROUTE_HEADER = "x-fleetgate-route"
 _MAX_REQUEST_ID = 128
 
 
@@ -103,6 +116,16 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self.rng = random.Random()
         self.ready = False
+        self.routing_metrics = RoutingMetrics(self.metrics.registry, settings.routing.policy)
+        self.router = Router.build(
+            settings.routing,
+            [PoolSpec(m.name, m.tier, tuple(m.fallback), m.capacity) for m in settings.models],
+            self.fleet.by_model,
+            rng=self.rng,
+            clock=clock,
+            metrics=self.routing_metrics,
+        )
+        self.metrics.registry.register(QueueCollector(self.router.depths))
         self.apply_tenants(settings.tenants, settings.admin_api_keys)
         self.default_model = settings.default_model or settings.models[0].name
 
@@ -123,6 +146,7 @@ class Gateway:
         self.tenants = {t.id: t for t in tenants}
         self.keyring = keyring
         self.admin_keyring = admin
+        self.router.set_weights({t.id: t.weight for t in tenants})
 
     # -- the request path ---------------------------------------------------------------
 
@@ -149,7 +173,7 @@ class Gateway:
             ex = Exchange(call, request_id, headers, started)
             # 5 classify: "auto" -> a model of the right tier. First, because an unknown
             # model needs no admission, and the model that answers is part of the cache key.
-            model = self._resolve_model(call.model)
+            model = self._resolve_model(ex, tenant, request)
             headers["x-fleetgate-tier"] = self.fleet.tiers[model]
             # 3 admit: rate limits, concurrency, quotas (a rejection is a value, not a surprise)
             reserve = reservation(call.prompt_tokens_estimate, call.max_tokens, tenant.limits)
@@ -169,8 +193,9 @@ class Gateway:
                 charged = ResponseCache.tokens_to_charge(cached.completion, tenant.cache)
                 return response
             headers["x-fleetgate-cache"] = "miss"
-            # 6 route + 7 proxy
-            pick = self._picker(model)
+            # 6 route: a slot in the model's pool (a fair wait when every replica is full),
+            # then the picker that chooses a replica per attempt; 7 proxy
+            pick = await self._picker(ex, tenant, request)
             with leader or contextlib.nullcontext():
                 if call.stream:
                     response = await self.proxy.stream(ex, pick, request)
@@ -197,7 +222,9 @@ class Gateway:
             status, error_code = internal.status, internal.code
             return error_response(internal, headers)
         finally:
-            # 8 settle: limits, metrics, one log line
+            # 8 settle: the pool's next waiting request, limits, metrics, one log line
+            if ex is not None and ex.route is not None:
+                ex.route.finished()
             self.metrics.requests_in_flight -= 1
             if lease is not None:
                 self._settle(lease, charged if charged is not None else _used_tokens(ex))
@@ -271,25 +298,128 @@ class Gateway:
         except TimeoutError as exc:
             raise RequestTimeout("The request body did not arrive in time.") from exc
 
-    def _resolve_model(self, name: str) -> str:
-        if name == "auto":
-            return self.default_model
-        if name not in self.fleet.by_model:
+    def _resolve_model(self, ex: Exchange, tenant: TenantSettings, request: web.Request) -> str:
+        """The model whose pool serves the request; sets up its ``Route`` (``ex.route``).
+
+        ``auto`` (and the tenant's ``classify_models``) is classified into a tier, served by
+        that tier's model; the ``x-fleetgate-tier`` request header forces a tier where the
+        tenant allows it. When no model serves a routing tier, ``auto`` is ``default_model``.
+        """
+        call = ex.call
+        name = call.model
+        choice: TierChoice | None = None
+        if (name == "auto" or name in tenant.classify_models) and call.endpoint is not Endpoint.EMBEDDINGS:
+            forced = request.headers.get(TIER_HEADER)
+            choice = self.router.choose_tier(call.body, forced, self._forcible(tenant) if forced else ())
+        if choice is not None:
+            model = choice.model
+            if self.settings.routing.debug_header:
+                ex.headers[ROUTE_HEADER] = choice.header()
+        elif name == "auto":
+            model = self.default_model
+        elif name in self.fleet.by_model:
+            model = name
+        else:
             raise NotFound(
                 f"The model '{name}' does not exist or you do not have access to it.",
                 code="model_not_found",
                 param="model",
             )
-        return name
+        ex.route = self.router.route(model, call.body, call.prompt_tokens_estimate, call.max_tokens, choice)
+        return model
 
-    def _picker(self, model: str) -> Picker:
-        replicas = self.fleet.by_model[model]
-        clock, rng = self.clock, self.rng
+    def _forcible(self, tenant: TenantSettings) -> tuple[str, ...] | list[str]:
+        """Tiers the tenant may force with the request header."""
+        allowed = tenant.allow_force_tier
+        if allowed is True:
+            return self.router.tiers.names
+        return allowed or ()
 
-        def pick(exclude: set[str]) -> Replica | None:
-            return pick_least_outstanding(replicas, clock(), rng, exclude)
+    async def _picker(self, ex: Exchange, tenant: TenantSettings, request: web.Request) -> Route:
+        """Step 6: the request's deadline, then a slot in its model's pool, and its picker.
 
-        return pick
+        While some replica of the pool has room this is a counter check. When every one is
+        at capacity the tenant's degradation applies (overflow to a smaller tier, a
+        ``max_tokens`` clamp), then the request waits in the pool's fair queue: until a slot
+        frees up, or a 429 (its tenant's queue is full), 503 (waited its priority's longest
+        wait) or 504 (its own deadline passed), each with ``Retry-After`` where retrying helps.
+        """
+        route = ex.route
+        assert route is not None
+        ex.deadline, ex.cut_at_deadline = self._deadline(request, ex.started)
+        now = self.clock()
+        if route.pool.admission.ready(now):
+            return route
+        self._degrade(ex, tenant, route, now)
+        admission = route.pool.admission
+        if admission.ready(now):
+            return route
+        wait_s = self.settings.routing.queue.max_wait_s.for_priority(_priority(tenant, request))
+        deadline = min(now + wait_s, ex.deadline)
+        outcome = await admission.wait(tenant.id, route.cost, deadline)
+        rm = self.routing_metrics
+        if isinstance(outcome, Admitted):
+            route.queued_s = outcome.waited_s
+            rm.series(rm.queue_wait, route.model, tenant.id).observe(outcome.waited_s)
+            return route
+        route.queued_s = self.clock() - now
+        retry_after = {"Retry-After": str(max(1, math.ceil(outcome.retry_after_s)))}
+        err: GatewayError
+        if outcome.reason is RejectReason.QUEUE_FULL:
+            reason = "queue_full"
+            err = RateLimited(
+                f"Too many of your requests are waiting for '{route.model}'; retry later.",
+                code="queue_full",
+                headers=retry_after,
+            )
+        elif deadline >= ex.deadline:
+            reason = "deadline"
+            err = GatewayTimeout(
+                "The request's deadline passed while it waited for a free replica.", code="deadline_exceeded"
+            )
+        else:
+            reason = "wait_exceeded"
+            err = ServiceUnavailable(
+                f"Every replica of '{route.model}' stayed busy for {wait_s:g} s; retry later.",
+                code="queue_timeout",
+                headers=retry_after,
+            )
+        rm.series(rm.shed, route.model, tenant.id, reason).inc()
+        raise err
+
+    def _deadline(self, request: web.Request, started: float) -> tuple[float, bool]:
+        """When the request must be answered: ``upstream.request_timeout_s`` after it started,
+        or sooner if the client asks (``x-fleetgate-timeout-ms``; True: cut attempts there)."""
+        limit = self.settings.upstream.request_timeout_s
+        sent = request.headers.get(TIMEOUT_HEADER)
+        if sent is None:
+            return started + limit, False
+        try:
+            ms = int(sent)
+        except ValueError:
+            ms = 0
+        if ms <= 0:
+            raise BadRequest(f"The {TIMEOUT_HEADER} header must be a positive integer (milliseconds).")
+        return started + min(ms / 1000, limit), True
+
+    def _degrade(self, ex: Exchange, tenant: TenantSettings, route: Route, now: float) -> None:
+        """The tenant's graceful degradation, when its request's pool is saturated."""
+        degrade = tenant.degrade
+        rm = self.routing_metrics
+        if degrade.overflow and route.choice is not None:
+            for smaller in self.router.tiers.smaller(route.choice.tier):
+                if self.router.pools[smaller].admission.ready(now):
+                    rm.series(rm.degraded, route.model, tenant.id, "overflow").inc()
+                    route.switch(smaller, "overflow")
+                    ex.headers["x-fleetgate-tier"] = self.fleet.tiers[smaller]
+                    ex.cache_kind = None  # not the answer the cache key names
+                    return
+        limit = degrade.max_tokens
+        if limit is not None and (ex.call.max_tokens is None or ex.call.max_tokens > limit):
+            rm.series(rm.degraded, route.model, tenant.id, "max_tokens").inc()
+            _clamp_max_tokens(ex.call, limit)
+            route.clamp(limit)
+            ex.cache_kind = None
 
     def _record(
         self,
@@ -321,6 +451,8 @@ class Gateway:
         if ex is not None:
             entry["stream"] = ex.call.stream
             entry["attempts"] = ex.attempts
+            if ex.route is not None:
+                ex.route.annotate(entry)
             if ex.replica is not None:
                 entry["replica"] = ex.replica.id
             if ex.first_token_at is not None:
@@ -386,6 +518,26 @@ def _rejection(decision: Decision) -> GatewayError:
         err = RateLimited(decision.message, code=decision.error_code, headers=decision.headers())
         err.type = decision.error_type or err.type
     return err
+
+
+def _priority(tenant: TenantSettings, request: web.Request) -> Priority:
+    """The tenant's priority, or a lower one the request asks for (never a higher one)."""
+    asked = request.headers.get(PRIORITY_HEADER)
+    for level in PRIORITIES:
+        if level == tenant.priority:
+            return level
+        if level == asked:
+            return level
+    return tenant.priority
+
+
+def _clamp_max_tokens(call: Call, limit: int) -> None:
+    """Lower the request's max_tokens to ``limit`` (graceful degradation), in the forwarded body too."""
+    body = dict(call.body)
+    body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = limit
+    call.body = body
+    call.max_tokens = limit
+    call.raw = orjson.dumps(body)
 
 
 def _used_tokens(ex: Exchange | None) -> int | None:
@@ -460,6 +612,7 @@ async def _lifecycle(app: web.Application) -> Any:
         yield
         gateway.ready = False
         announce.cancel()
+        gateway.router.close()  # requests still queued get their 503 now, not at their deadline
         await gateway.fleet.drain_all(settings.server.shutdown_grace_s)
         await gateway.finish_background(settings.server.shutdown_grace_s)
         gateway.access_log.flush()

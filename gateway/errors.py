@@ -10,11 +10,12 @@ Hierarchy::
     ├── MethodNotAllowed     405      GET on a POST endpoint
     ├── RequestTimeout       408      the client's own body never arrived
     ├── PayloadTooLarge      413      body over ``server.max_body_bytes``
-    ├── RateLimited          429      rate_limit_exceeded / insufficient_quota (+ Retry-After)
+    ├── RateLimited          429      rate_limit_exceeded / insufficient_quota / queue_full (+ Retry-After)
     ├── InternalError        500      a bug: logged with its traceback, never sent
     ├── BadGateway           502      every replica tried failed
-    ├── ServiceUnavailable   503      no healthy replica, a limit store down with fail_closed
-    └── GatewayTimeout       504      the upstream did not answer in time
+    ├── ServiceUnavailable   503      no healthy replica, a limit store down with fail_closed,
+    │                                 queue_timeout (every replica stayed busy; + Retry-After)
+    └── GatewayTimeout       504      the upstream did not answer in time, deadline_exceeded
 
 Library exceptions (aiohttp, redis, orjson) are translated where they are caught, with
 ``raise ... from exc``; only this module knows the wire format of an error.

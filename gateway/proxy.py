@@ -1,8 +1,10 @@
 """Forward one call to the fleet: pick, send, retry before commit, relay, account.
 
 Retry rule: an attempt that fails before anything reached the client (connect error,
-timeout before the first byte, a 5xx) is retried on another replica, up to
-``upstream.max_attempts``. Once a data event has been written, the client owns the
+timeout before the first byte, a 5xx) is retried on another replica, then on the model's
+fallback chain (the picker, ``routing.router.Route``, walks both), up to
+``upstream.max_attempts``, while the pool's retry budget allows and the request's deadline
+has not passed (then 504). Once a data event has been written, the client owns the
 stream: a later failure ends it with an SSE error event, never silently.
 
 Timeouts: ``connect_timeout_s`` to open a connection, ``first_byte_timeout_s`` until the
@@ -17,7 +19,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import aiohttp
 import orjson
@@ -32,12 +34,26 @@ from gateway.sse import SseScanner, error_event
 from gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from replicas.replica import Claim, Replica
 
+if TYPE_CHECKING:
+    from routing.router import Route
+
 KEEPALIVE = b": keep-alive\n\n"
 # Completion tokens assumed owed when a client sets no max_tokens (routing estimate only).
 DEFAULT_COMPLETION_ESTIMATE = 256
 
-Picker = Callable[[set[str]], Replica | None]
 T = TypeVar("T")
+
+
+class Picker(Protocol):
+    """Chooses the replicas of one request, attempt by attempt (``routing.router.Route``)."""
+
+    def __call__(self, exclude: set[str]) -> Replica | None:
+        """A replica not in ``exclude`` (those already tried), or None when none is left."""
+        ...
+
+    def may_retry(self) -> bool:
+        """Whether another attempt may follow a failed one (the retry budget)."""
+        ...
 
 
 class UpstreamFailure(Exception):
@@ -75,6 +91,14 @@ class Exchange:
     completion: CachedCompletion | None = None
     # Token events relayed (settles limits when a broken stream never reported usage).
     generated: int = 0
+    # How the request is routed (tier, policy decisions, fallback; for the log line).
+    route: Route | None = None
+    # No new attempt starts past this time (gateway clock); with ``cut_at_deadline`` (the
+    # client asked for a deadline) an attempt in flight is cut there too.
+    deadline: float | None = None
+    cut_at_deadline: bool = False
+    # Why attempts stopped early: "deadline" or "retry_budget".
+    stop: str | None = None
 
 
 class Proxy:
@@ -106,7 +130,14 @@ class Proxy:
     # -- shared by both paths -------------------------------------------------------------
 
     def _next(self, ex: Exchange, pick: Picker) -> Replica | None:
-        """The next replica to try; None when every candidate has been tried."""
+        """The next replica to try (the picker walks the pool, then the fallback models).
+
+        None when every candidate has been tried, the request's deadline has passed, or the
+        retry budget refuses another attempt (``ex.stop`` says which).
+        """
+        if ex.attempts and ex.deadline is not None and self.clock() >= ex.deadline:
+            ex.stop = "deadline"
+            return None
         replica = pick(ex.tried)
         if replica is None:
             if ex.attempts == 0:
@@ -115,12 +146,28 @@ class Proxy:
                 )
             return None
         if ex.attempts:
+            if not pick.may_retry():
+                ex.stop = "retry_budget"
+                return None
             self.metrics.retries.labels(replica.model).inc()
         ex.attempts += 1
         ex.tried.add(replica.id)
         ex.replica = replica
         ex.headers["x-fleetgate-replica"] = replica.id
+        if ex.route is not None and replica.model != ex.route.model:
+            # A fallback model answers: not the model the cache key names, so not cached.
+            ex.cache_kind = None
+            ex.headers["x-fleetgate-tier"] = replica.tier
         return replica
+
+    async def _before_deadline(self, ex: Exchange, attempt: Awaitable[T]) -> T:
+        """``attempt``, cut when the deadline the client asked for passes."""
+        assert ex.deadline is not None
+        try:
+            async with asyncio.timeout(ex.deadline - self.clock()):
+                return await attempt
+        except TimeoutError as exc:
+            raise UpstreamFailure("deadline", "the request's deadline passed") from exc
 
     def _claim(self, ex: Exchange, replica: Replica) -> Claim:
         call = ex.call
@@ -143,9 +190,13 @@ class Proxy:
                 break
             claim = self._claim(ex, replica)
             try:
-                status, body, ctype = await self._send(ex, replica)
+                if ex.cut_at_deadline:
+                    status, body, ctype = await self._before_deadline(ex, self._send(ex, replica))
+                else:
+                    status, body, ctype = await self._send(ex, replica)
             except UpstreamFailure as failure:
-                self._failed(replica, failure)
+                if failure.kind != "deadline":  # the client's deadline is no fault of the replica
+                    self._failed(replica, failure)
                 last = failure
                 continue
             finally:
@@ -198,11 +249,16 @@ class Proxy:
                 break
             claim = self._claim(ex, replica)
             try:
-                upstream, first = await self._open_with_keepalive(ex, replica, request)
+                if ex.cut_at_deadline:
+                    opening = self._open_with_keepalive(ex, replica, request)
+                    upstream, first = await self._before_deadline(ex, opening)
+                else:
+                    upstream, first = await self._open_with_keepalive(ex, replica, request)
             except UpstreamFailure as failure:
                 # Nothing but keep-alive comments reached the client: try another replica.
                 claim.release()
-                self._failed(replica, failure)
+                if failure.kind != "deadline":  # the client's deadline is no fault of the replica
+                    self._failed(replica, failure)
                 last = failure
                 continue
             except BaseException:
@@ -377,8 +433,17 @@ async def _end_with_error(response: web.StreamResponse, err: GatewayError) -> No
 
 
 def _exhausted(ex: Exchange, last: UpstreamFailure | None) -> GatewayError:
+    if ex.stop == "deadline" or (last is not None and last.kind == "deadline"):
+        return GatewayTimeout(
+            f"The request's deadline passed after {ex.attempts} attempt(s).", code="deadline_exceeded"
+        )
     if last is not None and last.kind == "timeout":
         return GatewayTimeout(f"The replica did not answer in time after {ex.attempts} attempt(s).")
+    if ex.stop == "retry_budget":
+        return BadGateway(
+            f"The replica failed ({ex.attempts} attempt(s)); retries are paused while many requests fail.",
+            code="upstream_error",
+        )
     return BadGateway(f"All {ex.attempts} attempt(s) to reach a replica failed.", code="upstream_error")
 
 

@@ -26,6 +26,7 @@ from pydantic_settings import (
 
 from cache.config import CacheServiceSettings, CacheSettings
 from limits.config import TenantLimits
+from routing.config import CapacitySettings, DegradeSettings, Priority, RoutingSettings
 
 # The built-in development key. Only present when no tenant is configured at all, and
 # announced loudly at start-up, so a laptop works with zero setup and production does not
@@ -170,6 +171,10 @@ class ModelSettings(_Frozen):
     replicas: list[ReplicaSettings] = Field(min_length=1)
     # Context window, used to reject prompts that cannot fit (None: the replica decides).
     max_model_len: int | None = Field(None, gt=0)
+    # Models tried, in order, when no replica of this one can serve (down, or every attempt failed).
+    fallback: list[str] = []
+    # Per replica; unset: routing.capacity.
+    capacity: CapacitySettings | None = None
 
 
 class ApiKeySettings(_Frozen):
@@ -194,6 +199,15 @@ class TenantSettings(_Frozen):
     api_keys: list[str | ApiKeySettings] = Field(min_length=1)
     limits: TenantLimits = TenantLimits()
     cache: CacheSettings = CacheSettings()
+    # Share of a saturated pool in the fair queue, relative to other tenants (default 1).
+    weight: float = Field(1.0, gt=0)
+    # Longest queue wait: routing.queue.max_wait_s by priority.
+    priority: Priority = "normal"
+    # Tiers the x-fleetgate-tier request header may force: true (any), false, or a list.
+    allow_force_tier: bool | list[str] = False
+    # Model names this tenant's requests are classified for, as if they asked for "auto".
+    classify_models: list[str] = []
+    degrade: DegradeSettings = DegradeSettings()
 
     @field_validator("api_keys")
     @classmethod
@@ -220,9 +234,10 @@ class Settings(BaseSettings):
     restart: RestartSettings = RestartSettings()
     cache: CacheServiceSettings = CacheServiceSettings()
     limits: LimitsServiceSettings = LimitsServiceSettings()
+    routing: RoutingSettings = RoutingSettings()
     # Unset: limits and caches live in this process's memory.
     redis_url: str | None = None
-    # What model "auto" means until the classifier picks tiers; default: the first model.
+    # What model "auto" means when no model serves a routing tier; default: the first model.
     default_model: str | None = None
     models: list[ModelSettings] = Field(
         default_factory=lambda: [ModelSettings(name="fleetgate-sim", replicas=[ReplicaSettings(engine="sim", count=2)])]
@@ -250,6 +265,7 @@ class Settings(BaseSettings):
         ids = [t.id for t in self.tenants]
         if len(ids) != len(set(ids)):
             raise ValueError("tenants: duplicate tenant id")
+        _check_routing_refs(self)
         return self
 
     @property
@@ -270,6 +286,28 @@ class Settings(BaseSettings):
         if yaml_file:
             sources += (YamlConfigSettingsSource(settings_cls),)
         return sources
+
+
+def _check_routing_refs(settings: Settings) -> None:
+    """Names that routing settings use must exist: fallback models, classified models, tiers."""
+    names = {m.name for m in settings.models}
+    for i, model in enumerate(settings.models):
+        for name in model.fallback:
+            if name == model.name:
+                raise ValueError(f"models.{i}.fallback: {name!r} cannot be its own fallback")
+            if name not in names:
+                raise ValueError(f"models.{i}.fallback: {name!r} is not a configured model")
+        if len(set(model.fallback)) != len(model.fallback):
+            raise ValueError(f"models.{i}.fallback: a model is listed twice")
+    tiers = {t.name for t in settings.routing.tiers}
+    for i, tenant in enumerate(settings.tenants):
+        for name in tenant.classify_models:
+            if name not in names:
+                raise ValueError(f"tenants.{i}.classify_models: {name!r} is not a configured model")
+        if isinstance(tenant.allow_force_tier, list):
+            unknown = sorted(set(tenant.allow_force_tier) - tiers)
+            if unknown:
+                raise ValueError(f"tenants.{i}.allow_force_tier: {unknown} are not routing tiers")
 
 
 def hash_key(key: str) -> str:

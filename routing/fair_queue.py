@@ -103,6 +103,10 @@ class FairQueue(Generic[T]):
         state = self._tenants.get(tenant)
         return state.live if state else 0
 
+    def depths(self) -> dict[str, int]:
+        """Live queued requests by tenant (every tenant seen so far, zeros included: for a gauge)."""
+        return {name: state.live for name, state in self._tenants.items()}
+
     def set_weight(self, tenant: str, weight: float) -> None:
         """Change a tenant's weight (config reload); applies from its next visit."""
         if weight <= 0:

@@ -198,10 +198,10 @@ class PrefixAffinity:
     ) -> None:
         if anchor_blocks < 1:
             raise ValueError("anchor_blocks must be at least 1")
+        self._rng = rng
         self._load = load or LoadModel()
         self._guard = guard or AffinityGuard()
         self._anchor = anchor_blocks
-        self._fallback = LeastOutstandingTokens(rng, self._load)
 
     def pick(
         self, replicas: Sequence[Replica], request: RouteRequest, now: float, exclude: Collection[str] = ()
@@ -211,7 +211,7 @@ class PrefixAffinity:
             return Decision(None, "no_routable_replica")
         keys = request.prefix_keys
         if not keys:
-            return Decision(self._fallback.pick(candidates, request, now).replica, "no_prefix")
+            return Decision(_argmin(candidates, self._load.effective_load, self._rng), "no_prefix")
         key = keys[min(len(keys), self._anchor) - 1]
         ranked = rendezvous_rank(key, candidates)
         loads = {r.id: self._load.effective_load(r) for r in candidates}
@@ -219,7 +219,8 @@ class PrefixAffinity:
         for rank, replica in enumerate(ranked[: 1 + self._guard.spill_ranks]):
             if self._guard.allows(loads[replica.id], min_load):
                 return Decision(replica, "affinity" if rank == 0 else f"affinity_spill:{rank}")
-        return Decision(self._fallback.pick(candidates, request, now).replica, "affinity_overloaded")
+        # The least loaded, from the loads already measured (same choice as LeastOutstandingTokens).
+        return Decision(_argmin(candidates, lambda r: loads[r.id], self._rng), "affinity_overloaded")
 
 
 def rendezvous_rank(key: int, replicas: Sequence[Replica]) -> list[Replica]:

@@ -1,0 +1,171 @@
+"""Fair admission to one pool: a counter check while there is room, a fair queue when there is not.
+
+The asyncio edge around the pure ``FairQueue``. ``ready(now)`` is the hot path: nothing
+waiting, nobody being woken, and some replica of the pool with a free slot (``capacity``),
+so the request goes straight on: no future, no task, no timer. Otherwise ``wait`` parks the
+request on a future in its tenant's queue until a slot frees up, served in weighted
+deficit round-robin order, or until its deadline (503) or a full queue (429) refuses it.
+
+Slots free up when a request of this gateway finishes (``notify``, called once per
+finished request) and when the scraped gauges show other gateway pods' work draining; for
+the latter, and for deadlines, one timer per pool runs while its queue is not empty.
+
+Accounting: a woken request has a slot promised but has not claimed its replica yet
+(``_waking``); those promises count against the free slots, and the fast path stays closed
+while any is pending, so a newcomer cannot take the slot a woken request is about to use.
+A request that leaves while queued (client gone) is taken out of the queue; one that leaves
+after it was woken hands its slot to the next. Nothing is leaked either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from replicas.replica import Replica
+from routing.capacity import UNBOUNDED, Capacity, free_slots, has_room
+from routing.fair_queue import FairQueue, FairQueueConfig, Rejected, RejectReason, Ticket
+
+Waiter = asyncio.Future[Rejected | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The request may go on; it waited this long first."""
+
+    waited_s: float
+
+
+class Admission:
+    """The fair admission queue of one model's pool."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        capacity: Capacity,
+        config: FairQueueConfig,
+        *,
+        weights: dict[str, float] | None = None,
+        clock: Callable[[], float],
+        poll_interval_s: float = 0.05,
+        enabled: bool = True,
+    ) -> None:
+        # The fleet's own list (updated in place by discovery): always the current replicas.
+        self._replicas = replicas
+        self._capacity = capacity
+        self._config = config
+        self._clock = clock
+        self._poll_s = poll_interval_s
+        self.enabled = enabled and capacity.bounded
+        self._queue: FairQueue[Waiter] = FairQueue(config, weights)
+        self._queued = 0
+        self._waking = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    @property
+    def waking(self) -> int:
+        return self._waking
+
+    def depths(self) -> dict[str, int]:
+        return self._queue.depths()
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        self._queue.set_weight(tenant, weight)
+
+    def ready(self, now: float) -> bool:
+        """The fast path: go straight on (nothing queued or being woken, and a slot free)."""
+        if not self.enabled:
+            return True
+        return not self._queued and not self._waking and has_room(self._replicas, self._capacity, now)
+
+    async def wait(self, tenant: str, cost: int, deadline: float) -> Admitted | Rejected:
+        """Queue until a slot is free: ``Admitted``, or ``Rejected`` (queue full / deadline passed).
+
+        The caller must claim its replica without awaiting anything after an ``Admitted``:
+        the slot is promised to it until then.
+        """
+        now = self._clock()
+        waiter: Waiter = asyncio.get_running_loop().create_future()
+        ticket = self._queue.push(tenant, waiter, cost, now, deadline)
+        if isinstance(ticket, Rejected):
+            return ticket
+        self._queued += 1
+        self._pump(now)  # a slot may be free already (the fast path was closed by others waiting)
+        self._arm(now)
+        try:
+            outcome = await waiter
+        except asyncio.CancelledError:
+            self._abandon(ticket, waiter)
+            raise
+        if outcome is not None:
+            return outcome
+        self._waking -= 1
+        return Admitted(self._clock() - now)
+
+    def notify(self) -> None:
+        """A request of this pool finished: its slot may go to the next waiting one."""
+        if self._queued:
+            self._pump(self._clock())
+
+    def poll(self) -> None:
+        """Re-check room and deadlines now (the timer does this while requests wait)."""
+        self._timer = None
+        now = self._clock()
+        self._pump(now)
+        self._arm(now)
+
+    def close(self) -> None:
+        """Stop the timer and refuse everyone still waiting (shutdown)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._expire(float("inf"))
+
+    def _pump(self, now: float) -> None:
+        self._expire(now)
+        if not self._queued:
+            return
+        slots = free_slots(self._replicas, self._capacity, now)
+        # No routable replica is not a capacity matter: let them through to get their 503
+        # (or their fallback model) now rather than after a full wait.
+        room = UNBOUNDED if slots is None else slots - self._waking
+        while room > 0 and self._queued:
+            waiter = self._queue.pop(now)
+            if waiter is None:
+                break
+            self._queued -= 1
+            if waiter.done():  # its client left; the future was cancelled with the task
+                continue
+            waiter.set_result(None)
+            self._waking += 1
+            room -= 1
+        self._expire(now)  # heads that pop() found past their deadline
+
+    def _expire(self, now: float) -> None:
+        for waiter in self._queue.expire(now):
+            self._queued -= 1
+            if not waiter.done():
+                waiter.set_result(Rejected(RejectReason.WAIT_EXCEEDED, self._config.retry_after_s))
+
+    def _abandon(self, ticket: Ticket[Waiter], waiter: Waiter) -> None:
+        if waiter.cancelled() or not waiter.done():
+            if self._queue.cancel(ticket):
+                self._queued -= 1
+        elif waiter.result() is None:
+            # Woken, but gone before claiming: the promised slot goes to the next one.
+            self._waking -= 1
+            self._pump(self._clock())
+
+    def _arm(self, now: float) -> None:
+        if self._timer is not None or not self._queued:
+            return
+        delay = self._poll_s
+        deadline = self._queue.next_deadline()
+        if deadline is not None:
+            delay = max(0.0, min(delay, deadline - now))
+        self._timer = asyncio.get_running_loop().call_later(delay, self.poll)

@@ -1,0 +1,88 @@
+"""How much more work a replica takes before new requests should wait at the gateway.
+
+A vLLM replica past ``max_num_seqs`` running sequences, or with its KV cache full, queues
+new requests itself, first come first served, whoever sent them: one tenant's flood then
+delays everyone. The gateway holds requests back instead, in its fair queue, once every
+replica of a pool is at capacity. Capacity is counted in request slots:
+
+- requests: ``max_requests - max(own, running + waiting)``. ``own`` is this gateway's
+  in-flight requests on the replica; the scraped gauges add what other gateway pods sent
+  (they include our own requests as of the last scrape, hence the ``max``).
+- tokens, when ``max_outstanding_tokens`` is set: the room left under it, measured with
+  ``LoadModel.effective_load`` (own outstanding tokens, foreign work, KV pressure), divided
+  by a typical request's tokens and rounded up.
+
+The smaller of the two is the replica's free slots. Pure: the caller passes the fleet's
+state and the time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from replicas.replica import Replica
+from routing.policies import GAUGE_RUNNING, GAUGE_WAITING, LoadModel
+
+# "No bound": more slots than any pool will ever be asked for.
+UNBOUNDED = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """Per-replica limits of one pool (None: that dimension is unbounded)."""
+
+    max_requests: int | None = 256
+    max_outstanding_tokens: int | None = None
+    load: LoadModel = field(default_factory=LoadModel)
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_requests is not None or self.max_outstanding_tokens is not None
+
+    def slots(self, replica: Replica) -> int:
+        """Requests ``replica`` can still take before it is at capacity (0: full)."""
+        free = UNBOUNDED
+        if self.max_requests is not None:
+            used = replica.outstanding_requests
+            gauges = replica.gauges
+            if gauges:
+                seen = gauges.get(GAUGE_RUNNING, 0.0) + gauges.get(GAUGE_WAITING, 0.0)
+                if seen > used:
+                    used = int(seen)
+            free = self.max_requests - used
+            if free <= 0:
+                return 0
+        if self.max_outstanding_tokens is not None:
+            room = self.max_outstanding_tokens - self.load.effective_load(replica)
+            if room <= 0:
+                return 0
+            per_request = max(1, self.load.tokens_per_request)
+            free = min(free, math.ceil(room / per_request))
+        return free
+
+
+def free_slots(replicas: Sequence[Replica], capacity: Capacity, now: float) -> int | None:
+    """Free slots over the routable replicas; None when none is routable (not a capacity matter)."""
+    total = 0
+    routable = False
+    for replica in replicas:
+        if replica.routable(now):
+            routable = True
+            total += capacity.slots(replica)
+    return min(total, UNBOUNDED) if routable else None
+
+
+def has_room(replicas: Sequence[Replica], capacity: Capacity, now: float) -> bool:
+    """Whether some routable replica has a free slot, or none is routable (the proxy answers that).
+
+    Stops at the first replica with room: on an unsaturated pool this is one or two checks.
+    """
+    routable = False
+    for replica in replicas:
+        if replica.routable(now):
+            if capacity.slots(replica) > 0:
+                return True
+            routable = True
+    return not routable

@@ -1,0 +1,168 @@
+"""Routing configuration as written in the YAML: the ``routing:`` block, and the per-model
+(``models[].capacity``) and per-tenant (``tenants[].degrade``) pieces that belong to routing.
+
+Example::
+
+    routing:
+      policy: prefix_affinity        # least_outstanding_tokens | least_requests | round_robin
+      tiers:                         # score ranges of the complexity classifier, [0, 1] covered
+        - {name: small, min_score: 0.0, max_score: 0.3}
+        - {name: medium, min_score: 0.3, max_score: 0.55}
+        - {name: large, min_score: 0.55, max_score: 1.0}
+      affinity: {factor: 1.5, margin_tokens: 2048, spill_ranks: 1, anchor_blocks: 4}
+      capacity: {max_requests: 256}  # per replica, unless models[].capacity says otherwise
+      retry_budget: {ratio: 0.2, min_per_s: 1, burst: 10}
+      queue: {max_queue_length: 256, max_wait_s: {high: 30, normal: 10, low: 2}}
+
+``docs/routing.md`` explains each knob; ``gateway.settings`` checks the parts that refer to
+other sections (fallback model names, tier names a tenant may force).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from routing.classifier import DEFAULT_TIERS, TierRange, validate_tiers
+from routing.policies import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS
+
+PolicyName = Literal["prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin"]
+Priority = Literal["low", "normal", "high"]
+# Lowest first: a request may lower its priority below its tenant's, never raise it.
+PRIORITIES: tuple[Priority, ...] = ("low", "normal", "high")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TierSettings(_Frozen):
+    """A tier and its score range: ``min_score <= score < max_score`` (the top tier includes 1.0)."""
+
+    name: str = Field(min_length=1)
+    min_score: float = Field(ge=0.0, le=1.0)
+    max_score: float = Field(ge=0.0, le=1.0)
+
+    def range(self) -> TierRange:
+        return TierRange(self.name, self.min_score, self.max_score)
+
+
+class AffinitySettings(_Frozen):
+    """``PrefixAffinity``: how prompts are keyed and when affinity yields to load."""
+
+    # Keep the preferred replica while load(it) <= factor * min_load + margin_tokens.
+    factor: float = Field(1.5, ge=1.0)
+    margin_tokens: int = Field(2048, ge=0)
+    # Further replicas, in rendezvous order, tried before the least loaded.
+    spill_ranks: int = Field(1, ge=0, le=16)
+    # Requests sharing this many leading blocks go to the same replica.
+    anchor_blocks: int = Field(4, ge=1)
+    block_chars: int = Field(DEFAULT_BLOCK_CHARS, ge=16)
+    max_blocks: int = Field(DEFAULT_MAX_BLOCKS, ge=1)
+
+
+class LoadSettings(_Frozen):
+    """How scraped vLLM gauges correct this gateway's view of a replica's load (``LoadModel``)."""
+
+    tokens_per_request: int = Field(512, ge=0)
+    kv_knee: float = Field(0.8, ge=0.0, lt=1.0)
+    kv_full_tokens: int = Field(8192, ge=0)
+
+
+class CapacitySettings(_Frozen):
+    """What one replica takes before new work waits in the gateway's fair queue.
+
+    ``max_requests`` is vLLM's ``--max-num-seqs`` (256 by default on most GPUs): past it a
+    replica queues requests itself, first come first served, whoever sent them.
+    ``max_outstanding_tokens`` is its KV cache size in tokens (vLLM logs "GPU KV cache
+    size: N tokens" at start); unset, only the request count bounds it.
+    """
+
+    max_requests: int | None = Field(256, gt=0)
+    max_outstanding_tokens: int | None = Field(None, gt=0)
+
+
+class RetryBudgetSettings(_Frozen):
+    """Retries may add at most ``ratio`` of recent requests plus ``min_per_s`` (per model, per process).
+
+    A token bucket: each request deposits ``ratio``, time deposits ``min_per_s``, each retry
+    withdraws one; the balance never exceeds ``burst``. A healthy fleet never notices it; a
+    sick one gets at most ``ratio`` extra load instead of ``max_attempts`` times its traffic.
+    """
+
+    ratio: float = Field(0.2, ge=0.0, le=10.0)
+    min_per_s: float = Field(1.0, ge=0.0)
+    burst: float = Field(10.0, ge=1.0)
+
+
+class QueueWaitSettings(_Frozen):
+    """Longest wait in the fair queue, by priority; past it the request gets 503 + Retry-After.
+
+    Low priority waits least: under overload batch work is shed first, interactive work keeps
+    its place.
+    """
+
+    high: float = Field(30.0, gt=0)
+    normal: float = Field(10.0, gt=0)
+    low: float = Field(2.0, gt=0)
+
+    def for_priority(self, priority: Priority) -> float:
+        return self.high if priority == "high" else self.low if priority == "low" else self.normal
+
+
+class QueueSettings(_Frozen):
+    """The fair queue in front of each model's pool (weighted deficit round-robin by tenant)."""
+
+    enabled: bool = True
+    # Credit per round per unit of tenant weight, in tokens (prompt estimate + max_tokens).
+    quantum_tokens: int = Field(1024, ge=1)
+    # Requests one tenant may have waiting for one model; past it 429 + Retry-After.
+    max_queue_length: int = Field(256, ge=1)
+    retry_after_s: float = Field(1.0, gt=0)
+    max_wait_s: QueueWaitSettings = QueueWaitSettings()
+    # While requests wait, room is re-checked this often (scraped gauges change without a
+    # request of this gateway finishing); a finishing request wakes the next one at once.
+    poll_interval_s: float = Field(0.05, gt=0, le=5.0)
+
+
+class RoutingSettings(_Frozen):
+    """The whole ``routing:`` block."""
+
+    policy: PolicyName = "prefix_affinity"
+    tiers: list[TierSettings] = Field(default_factory=lambda: [_tier(t) for t in DEFAULT_TIERS])
+    # Send x-fleetgate-route (score, reasons, tier) on classified requests.
+    debug_header: bool = True
+    affinity: AffinitySettings = AffinitySettings()
+    load: LoadSettings = LoadSettings()
+    # Per replica, for models without their own `capacity`.
+    capacity: CapacitySettings = CapacitySettings()
+    retry_budget: RetryBudgetSettings = RetryBudgetSettings()
+    queue: QueueSettings = QueueSettings()
+
+    @model_validator(mode="after")
+    def _tiers_cover(self) -> RoutingSettings:
+        names = [t.name for t in self.tiers]
+        if len(names) != len(set(names)):
+            raise ValueError("tiers: duplicate tier name")
+        try:
+            validate_tiers(self.tier_ranges())
+        except ValueError as exc:
+            raise ValueError(f"tiers: {exc}") from exc
+        return self
+
+    def tier_ranges(self) -> tuple[TierRange, ...]:
+        return tuple(t.range() for t in self.tiers)
+
+
+def _tier(t: TierRange) -> TierSettings:
+    return TierSettings(name=t.name, min_score=t.min_score, max_score=t.max_score)
+
+
+class DegradeSettings(_Frozen):
+    """A tenant's graceful degradation while its model's pool is saturated."""
+
+    # A classified (`auto`) request overflows to the nearest smaller tier that has room.
+    overflow: bool = False
+    # max_tokens is clamped to this (a request without max_tokens gets it too).
+    max_tokens: int | None = Field(None, gt=0)

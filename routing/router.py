@@ -1,0 +1,366 @@
+"""The router: tier choice for ``auto``, one pool per model, and each request's ``Route``.
+
+Built once from configuration. Per request, the gateway asks ``choose_tier`` (classified
+requests only), then ``route`` for a ``Route``: the proxy's picker for that request. A
+``Route`` walks the request's model pool first and then that model's fallback chain
+(``models[].fallback``, in order, not followed transitively), asking each pool's policy
+for a replica not yet tried; it builds the policy's view of the request (``RouteRequest``,
+with prefix keys only when the policy uses them) once, on the first pick, so a request
+answered from the cache or refused by limits never pays for it. Retries after a failed
+attempt are allowed while the primary pool's ``RetryBudget`` has credit.
+
+Nothing here awaits: the waiting (fair queue) is ``routing.admission``, the sending is
+``gateway.proxy``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from replicas.replica import Replica
+from routing.admission import Admission
+from routing.capacity import Capacity
+from routing.classifier import Classification, classify, resolve_tier
+from routing.config import AffinitySettings, CapacitySettings, PolicyName, RoutingSettings
+from routing.fair_queue import FairQueueConfig
+from routing.metrics import RoutingMetrics
+from routing.policies import (
+    AffinityGuard,
+    Decision,
+    LeastOutstandingTokens,
+    LeastRequests,
+    LoadModel,
+    Policy,
+    PrefixAffinity,
+    RoundRobin,
+    RouteRequest,
+    prefix_keys,
+)
+from routing.retry_budget import RetryBudget
+from routing.tier_map import TierMap
+
+# Completion tokens assumed owed when a request sets no max_tokens (routing estimate only).
+DEFAULT_COMPLETION_ESTIMATE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """What the router needs to know about one configured model."""
+
+    model: str
+    tier: str
+    fallback: tuple[str, ...] = ()
+    capacity: CapacitySettings | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TierChoice:
+    """The tier of a classified request, why (``classified``, ``forced``, ``force_denied``), and its model."""
+
+    model: str
+    tier: str
+    reason: str
+    classification: Classification
+
+    def header(self) -> str:
+        """The ``x-fleetgate-route`` debug header: ``score=0.62; reasoning,long_prompt; tier=large; classified``."""
+        return f"{self.classification.header()}; tier={self.tier}; {self.reason}"
+
+
+def make_policy(name: PolicyName, rng: random.Random, load: LoadModel, affinity: AffinitySettings) -> Policy:
+    """A fresh policy instance (each pool owns its own: round robin keeps a counter)."""
+    if name == "prefix_affinity":
+        guard = AffinityGuard(affinity.factor, affinity.margin_tokens, affinity.spill_ranks)
+        return PrefixAffinity(rng, load, guard, anchor_blocks=affinity.anchor_blocks)
+    if name == "least_outstanding_tokens":
+        return LeastOutstandingTokens(rng, load)
+    if name == "least_requests":
+        return LeastRequests(rng)
+    if name == "round_robin":
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy {name!r}")
+
+
+class Pool:
+    """One model's replicas with its policy, per-replica capacity, retry budget and fair queue."""
+
+    __slots__ = ("admission", "budget", "capacity", "fallback", "model", "policy", "replicas")
+
+    def __init__(
+        self,
+        model: str,
+        replicas: list[Replica],
+        policy: Policy,
+        capacity: Capacity,
+        budget: RetryBudget,
+        admission: Admission,
+        fallback: tuple[str, ...] = (),
+    ) -> None:
+        self.model = model
+        # The fleet's own list, updated in place by discovery.
+        self.replicas = replicas
+        self.policy = policy
+        self.capacity = capacity
+        self.budget = budget
+        self.admission = admission
+        self.fallback = fallback
+
+    def pick(self, request: RouteRequest, now: float, exclude: Collection[str]) -> Decision:
+        """The policy's choice, among replicas with a free slot when some are full and others not."""
+        replicas = self.replicas
+        if self.capacity.bounded:
+            slots = self.capacity.slots
+            roomy = [r for r in replicas if slots(r) > 0]
+            if roomy and len(roomy) != len(replicas):
+                decision = self.policy.pick(roomy, request, now, exclude)
+                if decision.replica is not None:
+                    return decision
+        return self.policy.pick(replicas, request, now, exclude)
+
+
+class Route:
+    """One request's way to a replica; the proxy's picker (``route(exclude)``).
+
+    Also what the access log and the debug header say about it: the tier choice, the last
+    policy decision, the fallback model used, queueing and degradation.
+    """
+
+    __slots__ = (
+        "_chain",
+        "_counted_fallback",
+        "_request",
+        "_router",
+        "body",
+        "budget_denied",
+        "choice",
+        "degraded",
+        "max_tokens",
+        "model",
+        "prompt_tokens",
+        "queued_s",
+        "reason",
+        "served",
+    )
+
+    def __init__(
+        self,
+        router: Router,
+        model: str,
+        body: dict[str, Any],
+        prompt_tokens: int,
+        max_tokens: int | None,
+        choice: TierChoice | None = None,
+    ) -> None:
+        self._router = router
+        self.model = model
+        self.body = body
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens or DEFAULT_COMPLETION_ESTIMATE
+        self.choice = choice
+        self._chain: tuple[Pool, ...] | None = None
+        self._request: RouteRequest | None = None
+        self._counted_fallback = False
+        self.reason: str | None = None
+        self.served: str | None = None
+        self.queued_s: float | None = None
+        self.degraded: str | None = None
+        self.budget_denied = False
+
+    @property
+    def pool(self) -> Pool:
+        return self._router.pools[self.model]
+
+    @property
+    def cost(self) -> int:
+        """Tokens this request asks of a replica (the fair queue's cost)."""
+        return self.prompt_tokens + self.max_tokens
+
+    def switch(self, model: str, degraded: str) -> None:
+        """Serve from another model's pool (overflow to a smaller tier) before the first pick."""
+        self.model = model
+        self.degraded = degraded
+        self._chain = None
+
+    def clamp(self, max_tokens: int) -> None:
+        self.max_tokens = min(self.max_tokens, max_tokens)
+        self.degraded = "max_tokens"
+
+    def __call__(self, exclude: Collection[str]) -> Replica | None:
+        """A replica not in ``exclude``: the request's pool first, then the fallback chain."""
+        router = self._router
+        now = router.clock()
+        chain = self._chain
+        if chain is None:
+            chain = self._chain = router.chain(self.model)
+        if self._request is None:
+            # First pick: the policy's view of the request, built once; the request counts
+            # towards its pool's retry budget.
+            self._request = router.route_request(self.body, self.prompt_tokens, self.max_tokens)
+            chain[0].budget.deposit(now)
+        for index, pool in enumerate(chain):
+            decision = pool.pick(self._request, now, exclude)
+            replica = decision.replica
+            if replica is None:
+                continue
+            self.reason = decision.reason
+            self.served = pool.model
+            router.metrics.decided(pool.model, decision.reason)
+            if index and not self._counted_fallback:
+                self._counted_fallback = True
+                router.metrics.series(router.metrics.fallbacks, self.model, pool.model).inc()
+            return replica
+        return None
+
+    def may_retry(self) -> bool:
+        """Whether another attempt may follow a failed one (the primary pool's retry budget)."""
+        pool = self.pool
+        if pool.budget.withdraw(self._router.clock()):
+            return True
+        if not self.budget_denied:
+            self.budget_denied = True
+            self._router.metrics.series(self._router.metrics.retry_budget_exhausted, pool.model).inc()
+        return False
+
+    def finished(self) -> None:
+        """The request is over: slots it held may go to requests waiting for its pools."""
+        pools = self._router.pools
+        pools[self.model].admission.notify()
+        if self.served is not None and self.served != self.model:
+            pools[self.served].admission.notify()
+
+    def annotate(self, entry: dict[str, Any]) -> None:
+        """Add the routing fields to an access-log entry (only those that say something)."""
+        choice = self.choice
+        if choice is not None:
+            entry["tier"] = choice.tier
+            entry["tier_reason"] = choice.reason
+            entry["classifier"] = choice.classification.header()
+        if self.reason is not None:
+            entry["route"] = self.reason
+        if self.served is not None and self.served != self.model:
+            entry["fallback"] = self.served
+        if self.queued_s is not None:
+            entry["queued_ms"] = round(self.queued_s * 1000, 2)
+        if self.degraded is not None:
+            entry["degraded"] = self.degraded
+        if self.budget_denied:
+            entry["retry_budget"] = "exhausted"
+
+
+class Router:
+    """Every pool, the tier map and the policy settings; builds each request's ``Route``."""
+
+    def __init__(
+        self,
+        pools: Mapping[str, Pool],
+        tiers: TierMap,
+        *,
+        policy: PolicyName,
+        affinity: AffinitySettings,
+        metrics: RoutingMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.pools = dict(pools)
+        self.tiers = tiers
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self._wants_keys = policy == "prefix_affinity"
+        self._block_chars = affinity.block_chars
+        self._max_blocks = affinity.max_blocks
+        self._chains: dict[str, tuple[Pool, ...]] = {}
+        for model, pool in self.pools.items():
+            self._chains[model] = (pool, *(self.pools[m] for m in pool.fallback if m in self.pools and m != model))
+
+    @classmethod
+    def build(
+        cls,
+        settings: RoutingSettings,
+        specs: Sequence[PoolSpec],
+        replicas: Mapping[str, list[Replica]],
+        *,
+        rng: random.Random,
+        clock: Callable[[], float],
+        metrics: RoutingMetrics,
+        weights: dict[str, float] | None = None,
+    ) -> Router:
+        ls = settings.load
+        load = LoadModel(ls.tokens_per_request, ls.kv_knee, ls.kv_full_tokens)
+        qs = settings.queue
+        queue_config = FairQueueConfig(qs.quantum_tokens, qs.max_queue_length, 1.0, qs.retry_after_s)
+        rb = settings.retry_budget
+        now = clock()
+        pools: dict[str, Pool] = {}
+        for spec in specs:
+            cs = spec.capacity or settings.capacity
+            capacity = Capacity(cs.max_requests, cs.max_outstanding_tokens, load)
+            members = replicas[spec.model]
+            admission = Admission(
+                members,
+                capacity,
+                queue_config,
+                weights=weights,
+                clock=clock,
+                poll_interval_s=qs.poll_interval_s,
+                enabled=qs.enabled,
+            )
+            pools[spec.model] = Pool(
+                spec.model,
+                members,
+                make_policy(settings.policy, rng, load, settings.affinity),
+                capacity,
+                RetryBudget(rb.ratio, rb.min_per_s, rb.burst, now),
+                admission,
+                spec.fallback,
+            )
+        tiers = TierMap(settings.tier_ranges(), [(s.model, s.tier) for s in specs])
+        return cls(pools, tiers, policy=settings.policy, affinity=settings.affinity, metrics=metrics, clock=clock)
+
+    def chain(self, model: str) -> tuple[Pool, ...]:
+        return self._chains[model]
+
+    def choose_tier(self, body: dict[str, Any], forced: str | None, allowed: Collection[str]) -> TierChoice | None:
+        """Classify ``body`` and pick the tier's model; None when no tier has a model."""
+        tiers = self.tiers
+        if not tiers.active:
+            return None
+        classification = classify(body, tiers.ranges)
+        tier, reason = resolve_tier(classification, forced, allowed)
+        model = tiers.model_for(tier)
+        if model is None:  # only a forced name outside the tier list gets here
+            tier, reason = classification.tier, "force_denied"
+            model = tiers.model_for(tier)
+            assert model is not None
+        self.metrics.series(self.metrics.tiers, tier, reason).inc()
+        return TierChoice(model, tier, reason, classification)
+
+    def route(
+        self,
+        model: str,
+        body: dict[str, Any],
+        prompt_tokens: int,
+        max_tokens: int | None,
+        choice: TierChoice | None = None,
+    ) -> Route:
+        return Route(self, model, body, prompt_tokens, max_tokens, choice)
+
+    def route_request(self, body: dict[str, Any], prompt_tokens: int, max_tokens: int) -> RouteRequest:
+        """The policy's view of a request; prefix keys only when the policy uses them."""
+        keys = prefix_keys(body, self._block_chars, self._max_blocks) if self._wants_keys else ()
+        return RouteRequest(keys, prompt_tokens, max_tokens)
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """Tenants' fair-queue weights (start-up and config reload)."""
+        for pool in self.pools.values():
+            for tenant, weight in weights.items():
+                pool.admission.set_weight(tenant, weight)
+
+    def depths(self) -> dict[str, dict[str, int]]:
+        return {model: pool.admission.depths() for model, pool in self.pools.items()}
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.admission.close()

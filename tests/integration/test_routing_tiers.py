@@ -1,0 +1,151 @@
+"""Tier routing through a real in-process gateway: auto -> tier, forced tiers, policies, degradation.
+
+Upstreams are the simulator (one per tier) and ``CountingUpstream`` where a slow replica
+is needed to fill a pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.integration.harness import (
+    API_KEY,
+    OTHER_KEY,
+    CountingUpstream,
+    access_lines,
+    in_process_gateway,
+    serve_app,
+    sim_upstream,
+    tenants,
+)
+from tests.integration.test_routing_queue import until
+
+EASY = [{"role": "user", "content": "hi"}]
+HARD = [
+    {
+        "role": "user",
+        "content": "Prove rigorously that the sum of two irrational numbers can be rational, then analyze the "
+        "trade-offs of the proof step by step and evaluate the risks.",
+    }
+]
+
+
+def tiered(small_url: str, large_url: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "models": [
+            {"name": "small-m", "tier": "small", "replicas": [{"url": small_url}]},
+            {"name": "large-m", "tier": "large", "replicas": [{"url": large_url}]},
+        ],
+        **extra,
+    }
+
+
+async def chat(url: str, messages: list[dict[str, str]], key: str = API_KEY, **headers: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=20) as client:
+        return await client.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "auto", "messages": messages, "max_tokens": 3},
+            headers={"Authorization": f"Bearer {key}", **headers},
+        )
+
+
+async def test_auto_goes_to_the_tier_of_its_score(tmp_path: Path) -> None:
+    async with sim_upstream("small-m") as small, sim_upstream("large-m") as large:
+        async with in_process_gateway(tiered(small, large), tmp_path) as (url, _, access):
+            easy = await chat(url, EASY)
+            assert easy.status_code == 200 and easy.json()["model"] == "small-m"
+            assert easy.headers["x-fleetgate-tier"] == "small"
+            assert easy.headers["x-fleetgate-route"].endswith("tier=small; classified")
+            hard = await chat(url, HARD)
+            assert hard.json()["model"] == "large-m"
+            assert hard.headers["x-fleetgate-tier"] == "large"
+            route = hard.headers["x-fleetgate-route"]
+            assert route.startswith("score=") and "proof" in route and "reasoning" in route
+            line = access_lines(access)[-1]
+            assert line["tier"] == "large" and line["tier_reason"] == "classified"
+            assert line["classifier"].startswith("score=") and "proof" in line["classifier"]
+            assert line["route"] == "no_prefix"  # a short prompt: least loaded
+
+
+async def test_medium_without_a_model_uses_the_nearest_tier(tmp_path: Path) -> None:
+    # A medium-scored prompt: explain + code topic; medium has no model, large is nearest (tie -> larger).
+    medium = [{"role": "user", "content": "Explain the difference between a python list and a tuple, with an example."}]
+    async with sim_upstream("small-m") as small, sim_upstream("large-m") as large:
+        async with in_process_gateway(tiered(small, large), tmp_path) as (url, _, _):
+            reply = await chat(url, medium)
+            assert "tier=medium" in reply.headers["x-fleetgate-route"]
+            assert reply.json()["model"] == "large-m"
+
+
+async def test_forced_tier_only_where_the_tenant_allows_it(tmp_path: Path) -> None:
+    ts = tenants()
+    ts[0]["allow_force_tier"] = ["large"]
+    async with sim_upstream("small-m") as small, sim_upstream("large-m") as large:
+        async with in_process_gateway(tiered(small, large, tenants=ts), tmp_path) as (url, _, access):
+            allowed = await chat(url, EASY, **{"x-fleetgate-tier": "large"})
+            assert allowed.json()["model"] == "large-m"
+            assert allowed.headers["x-fleetgate-route"].endswith("tier=large; forced")
+            denied = await chat(url, EASY, OTHER_KEY, **{"x-fleetgate-tier": "large"})
+            assert denied.status_code == 200 and denied.json()["model"] == "small-m"
+            assert denied.headers["x-fleetgate-route"].endswith("tier=small; force_denied")
+            assert access_lines(access)[-1]["tier_reason"] == "force_denied"
+
+
+async def test_tenant_classify_models_are_routed_like_auto(tmp_path: Path) -> None:
+    ts = tenants()
+    ts[0]["classify_models"] = ["large-m"]
+    async with sim_upstream("small-m") as small, sim_upstream("large-m") as large:
+        async with in_process_gateway(tiered(small, large, tenants=ts), tmp_path) as (url, _, _):
+            async with httpx.AsyncClient(timeout=20) as client:
+                body = {"model": "large-m", "messages": EASY, "max_tokens": 3}
+                mine = await client.post(
+                    f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+                )
+                other = await client.post(
+                    f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {OTHER_KEY}"}
+                )
+            assert mine.json()["model"] == "small-m" and "x-fleetgate-route" in mine.headers
+            assert other.json()["model"] == "large-m" and "x-fleetgate-route" not in other.headers
+
+
+async def test_policy_selected_in_config(tmp_path: Path) -> None:
+    async with sim_upstream("m") as a, sim_upstream("m") as b:
+        cfg = {"models": [{"name": "m", "replicas": [{"url": a}, {"url": b}]}], "routing": {"policy": "round_robin"}}
+        async with in_process_gateway(cfg, tmp_path) as (url, gw, access):
+            async with httpx.AsyncClient(timeout=20) as client:
+                seen = []
+                for _ in range(4):
+                    r = await client.post(
+                        f"{url}/v1/chat/completions",
+                        json={"model": "m", "messages": EASY, "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {API_KEY}"},
+                    )
+                    seen.append(r.headers["x-fleetgate-replica"])
+                metrics = (await client.get(f"{url}/metrics")).text
+            assert seen == ["m-0", "m-1", "m-0", "m-1"]
+            assert access_lines(access)[-1]["route"] == "round_robin"
+            series = 'fleetgate_routing_decisions_total{model="m",policy="round_robin",reason="round_robin"}'
+            assert f"{series} 4.0" in metrics
+            assert gw.router.policy == "round_robin"
+
+
+async def test_saturated_tier_overflows_to_a_smaller_one(tmp_path: Path) -> None:
+    ts = tenants()
+    ts[0]["degrade"] = {"overflow": True}
+    slow_large = CountingUpstream("large-m", delay=2.0)  # long enough to stay busy on a loaded machine
+    async with sim_upstream("small-m") as small, serve_app(slow_large.app()) as large:
+        cfg = tiered(small, large, tenants=ts)
+        cfg["models"][1]["capacity"] = {"max_requests": 1}
+        async with in_process_gateway(cfg, tmp_path) as (url, _, access):
+            first = asyncio.create_task(chat(url, HARD))
+            await until(lambda: slow_large.in_flight == 1)
+            second = await chat(url, HARD)  # large is full: overflow to small
+            assert second.json()["model"] == "small-m"
+            assert second.headers["x-fleetgate-tier"] == "small"
+            line = access_lines(access)[-1]
+            assert line["degraded"] == "overflow"
+            assert (await first).json()["model"] == "large-m"

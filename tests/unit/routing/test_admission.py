@@ -1,0 +1,238 @@
+"""The fair admission queue's asyncio edge: fast path, wake order, expiry, departures.
+
+The clock is a variable the tests move; nothing sleeps. ``settle()`` lets woken tasks run
+(one loop iteration each), which is scheduling, not waiting for time to pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replicas.replica import Breaker, Replica, ReplicaState
+from routing.admission import Admission, Admitted
+from routing.capacity import Capacity
+from routing.fair_queue import FairQueueConfig, Rejected, RejectReason
+
+FAR = 1e9
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def replica(rid: str) -> Replica:
+    return Replica(rid, f"http://{rid}", "m", "default", "m", False, Breaker(2, 10.0), state=ReplicaState.HEALTHY)
+
+
+def admission(
+    replicas: list[Replica], clock: Clock, *, max_requests: int = 1, queue_length: int = 10, **weights: float
+) -> Admission:
+    return Admission(
+        replicas,
+        Capacity(max_requests=max_requests),
+        FairQueueConfig(quantum_tokens=100, max_queue_length=queue_length, retry_after_s=2.0),
+        weights=dict(weights),
+        clock=clock,
+        poll_interval_s=3600,  # the tests call poll() themselves
+    )
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+class Served:
+    """Requests that got in, in order; each holds its replica slot until ``finish``."""
+
+    def __init__(self, adm: Admission, replica: Replica) -> None:
+        self.adm, self.replica = adm, replica
+        self.order: list[str] = []
+        self.outcomes: dict[str, Admitted | Rejected] = {}
+
+    async def request(self, tenant: str, name: str, deadline: float = FAR, cost: int = 100) -> None:
+        outcome = await self.adm.wait(tenant, cost, deadline)
+        self.outcomes[name] = outcome
+        if isinstance(outcome, Admitted):
+            self.replica.outstanding_requests += 1  # the claim, taken without awaiting
+            self.order.append(name)
+
+    def finish(self) -> None:
+        self.replica.outstanding_requests -= 1
+        self.adm.notify()
+
+
+async def test_fast_path_while_a_replica_has_room() -> None:
+    r = replica("a")
+    adm = admission([r], Clock(), max_requests=2)
+    assert adm.ready(0.0)
+    r.outstanding_requests = 2
+    assert not adm.ready(0.0)
+
+
+async def test_disabled_or_unbounded_is_always_ready() -> None:
+    r = replica("a")
+    r.outstanding_requests = 10**6
+    adm = Admission([r], Capacity(max_requests=None), FairQueueConfig(), clock=Clock())
+    assert adm.ready(0.0)
+
+
+async def test_flooding_tenant_does_not_starve_another() -> None:
+    r = replica("a")
+    r.outstanding_requests = 1  # the one slot is taken
+    adm = admission([r], Clock())
+    served = Served(adm, r)
+    tasks = [asyncio.create_task(served.request("flood", f"f{i}")) for i in range(6)]
+    await settle()
+    tasks.append(asyncio.create_task(served.request("quiet", "q0")))
+    await settle()
+    assert adm.queued == 7
+    # Free the slot six times (the first time: the request that held it before the test).
+    # WDRR visits flood then quiet each round; quantum = cost = 100, one request per visit.
+    for _ in range(6):
+        served.finish()
+        await settle()
+    assert served.order[:2] == ["f0", "q0"]
+    assert adm.queued == 1 and adm.waking == 0
+    for t in tasks:
+        t.cancel()
+
+
+async def test_weights_share_the_slots() -> None:
+    r = replica("a")
+    r.outstanding_requests = 1
+    adm = admission([r], Clock(), heavy=2.0)
+    served = Served(adm, r)
+    tasks = [asyncio.create_task(served.request("heavy", f"h{i}")) for i in range(4)]
+    tasks += [asyncio.create_task(served.request("light", f"l{i}")) for i in range(4)]
+    await settle()
+    for _ in range(6):
+        served.finish()
+        await settle()
+    # Per round heavy earns 200 tokens (two requests), light 100 (one).
+    assert served.order == ["h0", "h1", "l0", "h2", "h3", "l1"]
+    for t in tasks:
+        t.cancel()
+
+
+async def test_queue_full_is_rejected_with_retry_after() -> None:
+    r = replica("a")
+    r.outstanding_requests = 1
+    adm = admission([r], Clock(), queue_length=2)
+    served = Served(adm, r)
+    tasks = [asyncio.create_task(served.request("t", f"r{i}")) for i in range(3)]
+    await settle()
+    assert served.outcomes["r2"] == Rejected(RejectReason.QUEUE_FULL, 2.0)
+    assert RejectReason.QUEUE_FULL.status == 429
+    for t in tasks:
+        t.cancel()
+
+
+async def test_waiting_past_the_deadline_is_rejected() -> None:
+    clock = Clock()
+    r = replica("a")
+    r.outstanding_requests = 1
+    adm = admission([r], clock)
+    served = Served(adm, r)
+    early = asyncio.create_task(served.request("t", "early", deadline=5.0))
+    late = asyncio.create_task(served.request("t", "late", deadline=50.0))
+    await settle()
+    clock.now = 5.0
+    adm.poll()
+    await settle()
+    assert served.outcomes["early"] == Rejected(RejectReason.WAIT_EXCEEDED, 2.0)
+    assert "late" not in served.outcomes and adm.queued == 1
+    r.outstanding_requests = 0
+    adm.notify()
+    await settle()
+    assert served.order == ["late"]
+    await asyncio.gather(early, late)
+
+
+async def test_client_leaving_while_queued_frees_its_place() -> None:
+    r = replica("a")
+    r.outstanding_requests = 1
+    adm = admission([r], Clock())
+    served = Served(adm, r)
+    gone = asyncio.create_task(served.request("t", "gone"))
+    stays = asyncio.create_task(served.request("t", "stays"))
+    await settle()
+    gone.cancel()
+    await settle()
+    assert adm.queued == 1 and adm.depths() == {"t": 1}
+    r.outstanding_requests = 0
+    adm.notify()
+    await settle()
+    assert served.order == ["stays"]
+    assert adm.queued == 0 and adm.waking == 0
+    assert adm.ready(0.0) is False  # stays holds the only slot
+    served.finish()
+    assert adm.ready(0.0)
+    await stays
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+
+
+async def test_client_leaving_after_being_woken_hands_the_slot_on() -> None:
+    r = replica("a")
+    r.outstanding_requests = 1
+    adm = admission([r], Clock())
+    served = Served(adm, r)
+    first = asyncio.create_task(served.request("t", "first"))
+    second = asyncio.create_task(served.request("t", "second"))
+    await settle()
+    r.outstanding_requests = 0
+    adm.notify()  # wakes "first": its future is resolved, the task has not run yet
+    assert adm.waking == 1
+    first.cancel()  # ... and its client leaves before it runs
+    await settle()
+    assert served.order == ["second"]
+    assert adm.waking == 0 and adm.queued == 0
+    await second
+
+
+async def test_a_woken_request_keeps_newcomers_off_the_fast_path() -> None:
+    r = replica("a")
+    r.outstanding_requests = 1
+    adm = admission([r], Clock())
+    served = Served(adm, r)
+    task = asyncio.create_task(served.request("t", "queued"))
+    await settle()
+    r.outstanding_requests = 0
+    adm.notify()
+    assert not adm.ready(0.0)  # the free slot is promised to the woken request
+    await settle()
+    assert served.order == ["queued"]
+    await task
+
+
+async def test_nothing_routable_lets_waiters_through() -> None:
+    r = replica("a")
+    r.outstanding_requests = 1
+    adm = admission([r], Clock())
+    served = Served(adm, r)
+    task = asyncio.create_task(served.request("t", "w"))
+    await settle()
+    r.state = ReplicaState.DOWN
+    adm.poll()
+    await settle()
+    assert served.order == ["w"]  # on to the proxy, which answers 503 or uses a fallback
+    await task
+
+
+async def test_close_refuses_everyone_waiting() -> None:
+    r = replica("a")
+    r.outstanding_requests = 1
+    adm = admission([r], Clock())
+    served = Served(adm, r)
+    task = asyncio.create_task(served.request("t", "w"))
+    await settle()
+    adm.close()
+    await task
+    assert served.outcomes["w"] == Rejected(RejectReason.WAIT_EXCEEDED, 2.0)

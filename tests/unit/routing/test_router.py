@@ -1,0 +1,191 @@
+"""The router: tier choice, fallback chains, the retry budget, room-aware picks, log fields."""
+
+from __future__ import annotations
+
+import random
+
+from prometheus_client import CollectorRegistry
+
+from replicas.replica import Breaker, Replica, ReplicaState
+from routing.config import CapacitySettings, RetryBudgetSettings, RoutingSettings
+from routing.metrics import RoutingMetrics
+from routing.policies import LeastRequests, PrefixAffinity, RoundRobin
+from routing.router import PoolSpec, Router, make_policy
+
+SYSTEM = "You are the support assistant of a large company; answer politely and precisely. " * 20
+
+
+def replica(model: str, i: int, state: ReplicaState = ReplicaState.HEALTHY) -> Replica:
+    return Replica(f"{model}-{i}", f"http://{model}{i}", model, "t", model, False, Breaker(2, 10.0), state=state)
+
+
+def build(
+    specs: list[PoolSpec], replicas: dict[str, list[Replica]], **routing: object
+) -> tuple[Router, CollectorRegistry]:
+    settings = RoutingSettings(**routing)  # type: ignore[arg-type]
+    registry = CollectorRegistry()
+    router = Router.build(
+        settings,
+        specs,
+        replicas,
+        rng=random.Random(1),
+        clock=lambda: 0.0,
+        metrics=RoutingMetrics(registry, settings.policy),
+    )
+    return router, registry
+
+
+def chat(text: str, system: str = "") -> dict[str, object]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return {"messages": [*messages, {"role": "user", "content": text}]}
+
+
+def test_policy_names_make_their_policies() -> None:
+    from routing.config import AffinitySettings
+    from routing.policies import LoadModel
+
+    rng, load, aff = random.Random(0), LoadModel(), AffinitySettings()
+    assert isinstance(make_policy("prefix_affinity", rng, load, aff), PrefixAffinity)
+    assert isinstance(make_policy("round_robin", rng, load, aff), RoundRobin)
+    assert isinstance(make_policy("least_requests", rng, load, aff), LeastRequests)
+
+
+def test_round_robin_from_config_cycles() -> None:
+    rs = {"m": [replica("m", 0), replica("m", 1), replica("m", 2)]}
+    router, _ = build([PoolSpec("m", "t")], rs, policy="round_robin")
+    route = router.route("m", chat("hi"), 10, 10)
+    assert [route(set()).id for _ in range(4)] == ["m-0", "m-1", "m-2", "m-0"]  # type: ignore[union-attr]
+    assert route.reason == "round_robin"
+
+
+def test_fallback_chain_after_the_pool_is_exhausted() -> None:
+    rs = {"big": [replica("big", 0)], "mid": [replica("mid", 0)], "small": [replica("small", 0)]}
+    specs = [PoolSpec("big", "large", ("mid", "small")), PoolSpec("mid", "medium"), PoolSpec("small", "small")]
+    router, registry = build(specs, rs)
+    route = router.route("big", chat("hi"), 10, 10)
+    assert route({"x"}).id == "big-0"  # type: ignore[union-attr]
+    assert route({"big-0"}).id == "mid-0"  # type: ignore[union-attr]
+    assert route({"big-0", "mid-0"}).id == "small-0"  # type: ignore[union-attr]
+    assert route({"big-0", "mid-0", "small-0"}) is None
+    entry: dict[str, object] = {}
+    route.annotate(entry)
+    assert entry["fallback"] == "small"
+    # counted once per request, for the first fallback model that served
+    assert registry.get_sample_value("fleetgate_routing_fallbacks_total", {"model": "big", "fallback": "mid"}) == 1
+
+
+def test_fallback_when_no_replica_of_the_pool_is_routable() -> None:
+    rs = {"big": [replica("big", 0, ReplicaState.DOWN)], "mid": [replica("mid", 0)]}
+    router, _ = build([PoolSpec("big", "large", ("mid",)), PoolSpec("mid", "medium")], rs)
+    assert router.route("big", chat("hi"), 10, 10)(set()).id == "mid-0"  # type: ignore[union-attr]
+
+
+def test_retry_budget_limits_retries_and_says_so() -> None:
+    rs = {"m": [replica("m", 0), replica("m", 1)]}
+    router, registry = build(
+        [PoolSpec("m", "t")], rs, retry_budget=RetryBudgetSettings(ratio=0.0, min_per_s=0.0, burst=1.0)
+    )
+    a, b = router.route("m", chat("hi"), 10, 10), router.route("m", chat("hi"), 10, 10)
+    assert a.may_retry()
+    assert not b.may_retry()
+    assert not b.may_retry()
+    entry: dict[str, object] = {}
+    b.annotate(entry)
+    assert entry["retry_budget"] == "exhausted"
+    assert registry.get_sample_value("fleetgate_retry_budget_exhausted_total", {"model": "m"}) == 1
+
+
+def test_first_pick_deposits_into_the_budget() -> None:
+    rs = {"m": [replica("m", 0)]}
+    router, _ = build([PoolSpec("m", "t")], rs, retry_budget=RetryBudgetSettings(ratio=0.5, min_per_s=0.0, burst=5))
+    budget = router.pools["m"].budget
+    while budget.withdraw(0.0):
+        pass
+    route = router.route("m", chat("hi"), 10, 10)
+    route(set())
+    route(set())  # a second pick of the same request deposits nothing more
+    assert budget.balance == 0.5
+
+
+def test_picks_prefer_replicas_with_room() -> None:
+    full, free = replica("m", 0), replica("m", 1)
+    full.outstanding_requests = 2
+    rs = {"m": [full, free]}
+    router, _ = build([PoolSpec("m", "t", capacity=CapacitySettings(max_requests=2))], rs, policy="round_robin")
+    route = router.route("m", chat("hi"), 10, 10)
+    assert [route(set()).id for _ in range(3)] == ["m-1", "m-1", "m-1"]  # type: ignore[union-attr]
+    # everyone full: the policy chooses among all (the replica queues it)
+    free.outstanding_requests = 2
+    assert route(set()) is not None
+
+
+def test_prefix_keys_only_for_prefix_affinity() -> None:
+    rs = {"m": [replica("m", 0)]}
+    body = chat("hello", system=SYSTEM)
+    affinity, _ = build([PoolSpec("m", "t")], rs)
+    assert len(affinity.route_request(body, 100, 10).prefix_keys) > 4
+    tokens, _ = build([PoolSpec("m", "t")], rs, policy="least_outstanding_tokens")
+    assert tokens.route_request(body, 100, 10).prefix_keys == ()
+
+
+def test_decisions_by_policy_and_reason() -> None:
+    rs = {"m": [replica("m", 0), replica("m", 1)]}
+    router, registry = build([PoolSpec("m", "t")], rs)
+    route = router.route("m", chat("hello", system=SYSTEM), 500, 10)
+    route(set())
+    labels = {"model": "m", "policy": "prefix_affinity", "reason": "affinity"}
+    assert registry.get_sample_value("fleetgate_routing_decisions_total", labels) == 1
+    assert registry.get_sample_value("fleetgate_routing_affinity_hits_total", {"model": "m"}) == 1
+
+
+TIERED = [PoolSpec("s", "small"), PoolSpec("l", "large")]
+TIERED_REPLICAS = {"s": [replica("s", 0)], "l": [replica("l", 0)]}
+HARD = chat(
+    "Prove rigorously that the sum of two irrational numbers can be rational, then analyze the trade-offs "
+    "of the proof step by step and evaluate the risks."
+)
+
+
+def test_choose_tier_classifies() -> None:
+    router, registry = build(TIERED, TIERED_REPLICAS)
+    easy = router.choose_tier(chat("hi"), None, ())
+    assert easy is not None and (easy.model, easy.tier, easy.reason) == ("s", "small", "classified")
+    hard = router.choose_tier(HARD, None, ())
+    assert hard is not None and (hard.model, hard.tier) == ("l", "large")
+    assert hard.header().startswith("score=") and hard.header().endswith("; tier=large; classified")
+    assert registry.get_sample_value("fleetgate_routing_tiers_total", {"tier": "small", "reason": "classified"}) == 1
+
+
+def test_medium_without_a_model_goes_to_large() -> None:
+    router, _ = build(TIERED, TIERED_REPLICAS)
+    choice = router.choose_tier(chat("hi"), "medium", ("medium",))
+    assert choice is not None and (choice.tier, choice.model, choice.reason) == ("medium", "l", "forced")
+
+
+def test_forced_tier_needs_the_tenants_permission() -> None:
+    router, _ = build(TIERED, TIERED_REPLICAS)
+    denied = router.choose_tier(chat("hi"), "large", ("medium",))
+    assert denied is not None and (denied.tier, denied.model, denied.reason) == ("small", "s", "force_denied")
+    unknown = router.choose_tier(chat("hi"), "huge", ("huge",))
+    assert unknown is not None and (unknown.tier, unknown.reason) == ("small", "force_denied")
+
+
+def test_no_tiered_model_means_no_classification() -> None:
+    router, _ = build([PoolSpec("m", "default")], {"m": [replica("m", 0)]})
+    assert router.choose_tier(HARD, None, ()) is None
+
+
+def test_log_fields_for_a_classified_request() -> None:
+    router, _ = build(TIERED, TIERED_REPLICAS)
+    choice = router.choose_tier(HARD, None, ())
+    assert choice is not None
+    route = router.route(choice.model, HARD, 60, None, choice)
+    route(set())
+    route.queued_s = 0.25
+    entry: dict[str, object] = {}
+    route.annotate(entry)
+    assert entry["tier"] == "large" and entry["tier_reason"] == "classified"
+    assert str(entry["classifier"]).startswith("score=")
+    assert entry["route"] == "no_prefix" and entry["queued_ms"] == 250.0
+    assert "fallback" not in entry
+    assert route.cost == 60 + 256  # no max_tokens: the routing estimate
