@@ -20,6 +20,7 @@ sum(rate(fleetgate_cache_lookups_total[5m]))``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
@@ -88,6 +89,7 @@ class CacheMetrics:
             ["kind"],
             registry=r,
         )
+        self._bypass: dict[str, Any] = {}
         self.bypass = Counter(
             "fleetgate_cache_bypass_total",
             "Requests that did not use the cache, by reason (nondeterministic, no_cache, disabled, ...).",
@@ -141,6 +143,13 @@ class CacheMetrics:
         for kind in KINDS:
             self.hit_ratio.labels(kind).set_function(self._ratio(kind))
         self._embedder_stats: EmbedderStatsCollector | None = None
+
+    def bypassed(self, reason: str) -> Any:
+        """The bypass counter of ``reason`` (a fixed set), looked up once: ``labels`` is slow."""
+        child = self._bypass.get(reason)
+        if child is None:
+            child = self._bypass[reason] = self.bypass.labels(reason)
+        return child
 
     def record_lookup(self, kind: str, result: str, seconds: float) -> None:
         """One lookup of ``kind`` ended with ``result`` (one of ``LOOKUP_RESULTS``) after ``seconds``."""

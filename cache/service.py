@@ -116,15 +116,15 @@ class ResponseCache:
         """What to do for this request (pure, see ``cache.keys.plan_request``), counted."""
         plan = plan_request(tenant_id, model, endpoint, body, settings, cache_control)
         if plan.reason is not Cacheability.CACHEABLE:
-            self.metrics.bypass.labels(plan.reason.value).inc()
+            self.metrics.bypassed(plan.reason.value).inc()
         if plan.key is None or not settings.semantic.enabled or self.semantic is None:
             return plan
         query = semantic_query(tenant_id, model, endpoint, body)
         if query is None:
-            self.metrics.bypass.labels(SEMANTIC_NO_TEXT).inc()
+            self.metrics.bypassed(SEMANTIC_NO_TEXT).inc()
             return plan
         if len(query.text) > self.semantic.settings.max_text_chars:
-            self.metrics.bypass.labels(SEMANTIC_LONG_TEXT).inc()
+            self.metrics.bypassed(SEMANTIC_LONG_TEXT).inc()
             return plan
         self.semantic.start_soon()  # a no-op once started
         return replace(plan, semantic=query)

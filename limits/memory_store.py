@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from limits import gcra
 from limits.decision import Lease, Outcome, RateView
 from limits.gcra import BucketState, Verdict
-from limits.plan import AdmissionPlan, BucketKind
+from limits.plan import AdmissionPlan, BucketKind, BucketSpec
 from limits.windows import day_window, month_window
 
 # A settled lease id is remembered this long, so that a settle (or admit) retried after a
@@ -85,13 +85,18 @@ class _Tenant:
             self.release(record)
 
 
-def _view(plan: AdmissionPlan, verdicts: list[Verdict], kind: BucketKind) -> RateView | None:
-    # The headers report the most constraining bucket of each kind (first one on a tie).
-    best: RateView | None = None
+def _views(plan: AdmissionPlan, verdicts: list[Verdict]) -> tuple[RateView | None, RateView | None]:
+    """The header figures: the most constraining bucket of each kind (first one on a tie)."""
+    best: dict[BucketKind, tuple[BucketSpec, Verdict]] = {}
     for spec, verdict in zip(plan.buckets, verdicts, strict=True):
-        if spec.kind == kind and (best is None or verdict.remaining < best.remaining):
-            best = RateView(spec.field, verdict.remaining, verdict.reset_after)
-    return best
+        seen = best.get(spec.kind)
+        if seen is None or verdict.remaining < seen[1].remaining:
+            best[spec.kind] = (spec, verdict)
+    requests, tokens = best.get("requests"), best.get("tokens")
+    return (
+        RateView(requests[0].field, requests[1].remaining, requests[1].reset_after) if requests else None,
+        RateView(tokens[0].field, tokens[1].remaining, tokens[1].reset_after) if tokens else None,
+    )
 
 
 # What a fallback bucket holds when it starts: one second of its rate, not its burst.
@@ -146,7 +151,7 @@ class MemoryStore:
         if quotas:
             t.roll(now)
         verdicts = [gcra.check(self._bucket(t, b.field, b.rate, now), plan.cost(b), now, b.rate) for b in plan.buckets]
-        requests, tokens = _view(plan, verdicts, "requests"), _view(plan, verdicts, "tokens")
+        requests, tokens = _views(plan, verdicts)
         failed, retry = self._first_failure(plan, t, verdicts, now)
         if failed:
             return Outcome(False, failed, retry, requests, tokens, now)
