@@ -25,10 +25,12 @@ the way a gateway does, loading every entry from Redis.
 Wall time on a busy shared machine overstates the cost, so the report also gives this
 process's CPU time per lookup and the machine's load while each phase ran.
 
-``--variants`` (on by default) also times the model itself in other numeric formats on
-the same texts (bfloat16 autocast, int8 dynamic quantisation of the linear layers) and
-how far their vectors drift from the float32 ones: what a faster embedder would cost in
-agreement with the vectors the verifier was trained on. Writes
+``--variants`` (on by default) also times the model itself on the same texts, taking
+turns: through ``SentenceTransformer.encode`` in float32 (the embedder's previous path),
+through the embedder's direct path in float32 and bfloat16, and int8 dynamic quantisation
+of the linear layers; and how far their vectors drift from the float32 ones: what a faster
+embedder costs in agreement with the vectors the verifier was trained on. The batch sizes
+the embedder ran in each phase come from ``fleetgate_cache_embed_batch_size``. Writes
 ``bench/results/cache-speed.md``.
 """
 
@@ -36,11 +38,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import platform
 import sys
 import time
 import warnings
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +62,8 @@ from bench.qqp_pairs import SPLIT_SEED, load_pairs, split_pairs  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from cache.config import (  # noqa: E402
     DEFAULT_EMBED_TIMEOUT_MS,
+    DEFAULT_PRECISION,
+    PRECISIONS,
     CacheServiceSettings,
     CacheSettings,
     SemanticCacheSettings,
@@ -66,7 +72,7 @@ from cache.config import (  # noqa: E402
 from cache.embedder import SentenceTransformerEmbedder  # noqa: E402
 from cache.entry import CachedCompletion  # noqa: E402
 from cache.keys import exact_key, semantic_query, split_key  # noqa: E402
-from cache.metrics import CacheMetrics  # noqa: E402
+from cache.metrics import EMBED_BATCH_BUCKETS, CacheMetrics  # noqa: E402
 from cache.redis_store import RedisStore  # noqa: E402
 from cache.semantic_index import SemanticEntry  # noqa: E402
 from cache.semantic_redis import RedisSemanticStore  # noqa: E402
@@ -109,6 +115,8 @@ class Phase:
     machine_busy: float = 0.0  # share of all CPUs busy (any process)
     hits: int = 0
     batches: float = 0.0  # embedding batches the model ran during the phase
+    # Batches of at most n texts during the phase, n = each bucket of the batch-size histogram.
+    batch_sizes: dict[float, float] = field(default_factory=dict)
 
     def ms(self, q: float) -> float:
         return percentile(self.latencies, q) * 1000
@@ -198,12 +206,19 @@ async def closed_loop(cache: ResponseCache, texts: list[str], concurrency: int) 
 
     sampler = CpuSampler()
     batches = cache.metrics.sample("fleetgate_cache_embed_batches_total")
+    sizes = batch_sizes(cache.metrics)
     cpu, wall = time.process_time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     phase.wall_s, phase.cpu_s = time.perf_counter() - wall, time.process_time() - cpu
     phase.machine_busy = sampler.busy()
     phase.batches = cache.metrics.sample("fleetgate_cache_embed_batches_total") - batches
+    phase.batch_sizes = {n: count - sizes[n] for n, count in batch_sizes(cache.metrics).items()}
     return phase
+
+
+def batch_sizes(metrics: CacheMetrics) -> dict[float, float]:
+    """Cumulative buckets of ``fleetgate_cache_embed_batch_size``: batches of at most n texts."""
+    return {n: metrics.sample("fleetgate_cache_embed_batch_size_bucket", le=str(float(n))) for n in EMBED_BATCH_BUCKETS}
 
 
 async def components(cache: ResponseCache, texts: list[str]) -> dict[str, tuple[float, float]]:
@@ -231,10 +246,30 @@ async def components(cache: ResponseCache, texts: list[str]) -> dict[str, tuple[
     return {name: (percentile(v, 50) * 1000, percentile(v, 99) * 1000) for name, v in steps.items()}
 
 
-def embedder_variants(texts: list[str]) -> list[dict[str, Any]]:
-    """Encode cost of the model in float32, bfloat16 autocast and int8, and their vectors' drift."""
-    import contextlib
+EncodeCall = Callable[[list[str]], Awaitable[np.ndarray]]
+# Texts each variant embeds alone (taking turns), and the batch size of the batched pass.
+VARIANT_LONE = 150
+VARIANT_BATCH = 32
 
+
+def through_encode(model: Any) -> EncodeCall:
+    """``SentenceTransformer.encode`` as the embedder called it before the direct path."""
+
+    async def encode(batch: list[str]) -> np.ndarray:
+        out: np.ndarray = model.encode(
+            batch, batch_size=64, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+        )
+        return out
+
+    return encode
+
+
+async def embedder_variants(texts: list[str]) -> list[dict[str, Any]]:
+    """The model alone by path and numeric format: cost lone and in batches, drift from float32.
+
+    The variants take turns text by text (and batch by batch), so a change in the machine's
+    load hits them alike. The first, the previous path, is the reference of the drift.
+    """
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -247,41 +282,53 @@ def embedder_variants(texts: list[str]) -> list[dict[str, Any]]:
         int8 = torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
             model, {torch.nn.Linear}, dtype=torch.qint8
         )
-    variants: list[tuple[str, Any, Any]] = [
-        ("float32 (shipped)", model, contextlib.nullcontext),
-        ("bfloat16 autocast", model, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
-        ("int8 dynamic (linear layers)", int8, contextlib.nullcontext),
-    ]
-    rows, reference = [], None
-    for name, encoder, context in variants:
+    async with contextlib.AsyncExitStack() as stack:
+        direct = {
+            precision: await stack.enter_async_context(SentenceTransformerEmbedder(precision=precision, max_wait_s=0))
+            for precision in PRECISIONS
+        }
+        variants: dict[str, EncodeCall] = {
+            "float32, encode (the previous path)": through_encode(model),
+            **{
+                f"{precision}, direct{' (default)' if precision == DEFAULT_PRECISION else ''}": embedder.embed
+                for precision, embedder in direct.items()
+            },
+            "int8 dynamic (linear layers), encode": through_encode(int8),
+        }
+        return await _time_variants(variants, texts)
 
-        def encode(batch: list[str], encoder: Any = encoder, context: Any = context) -> np.ndarray:
-            with context():
-                out: np.ndarray = encoder.encode(
-                    batch, batch_size=64, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
-                )
-            return out
 
-        encode(texts[:8])
-        single = []
-        cpu = time.process_time()
-        for text in texts[:100]:
-            started = time.perf_counter()
-            encode([text])
-            single.append(time.perf_counter() - started)
-        single_cpu = (time.process_time() - cpu) / 100
-        cpu = time.process_time()
-        vectors = np.vstack([encode(texts[i : i + 32]) for i in range(0, len(texts), 32)])
-        batch_cpu = (time.process_time() - cpu) / len(texts)
-        if reference is None:
-            reference = vectors
-        pairs = np.einsum("ij,ij->i", vectors[:-1], vectors[1:]) - np.einsum("ij,ij->i", reference[:-1], reference[1:])
+async def _time_variants(variants: dict[str, EncodeCall], texts: list[str]) -> list[dict[str, Any]]:
+    for call in variants.values():
+        await call(texts[:8])
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    for text in texts[:VARIANT_LONE]:
+        for name, call in variants.items():
+            started, cpu_started = time.perf_counter(), time.process_time()
+            await call([text])
+            wall[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - cpu_started)
+    batch_cpu = dict.fromkeys(variants, 0.0)
+    vectors: dict[str, list[np.ndarray]] = {name: [] for name in variants}
+    for first in range(0, len(texts), VARIANT_BATCH):
+        for name, call in variants.items():
+            cpu_started = time.process_time()
+            vectors[name].append(await call(texts[first : first + VARIANT_BATCH]))
+            batch_cpu[name] += time.process_time() - cpu_started
+    reference = np.vstack(next(iter(vectors.values())))
+    rows = []
+    for name in variants:
+        mine = np.vstack(vectors[name])
+        pairs = np.einsum("ij,ij->i", mine[:-1], mine[1:]) - np.einsum("ij,ij->i", reference[:-1], reference[1:])
         rows.append(
             {
                 "name": name,
-                "single_p50_ms": percentile(single, 50) * 1000,
-                "single_cpu_ms": single_cpu * 1000,
-                "batch_cpu_ms": batch_cpu * 1000,
+                "single_p50_ms": percentile(wall[name], 50) * 1000,
+                "single_cpu_ms": float(np.mean(cpu[name])) * 1000,
+                "single_cpu_p99_ms": percentile(cpu[name], 99) * 1000,
+                "batch_cpu_ms": batch_cpu[name] / len(texts) * 1000,
+                "gap_max": float(np.max(1.0 - np.einsum("ij,ij->i", mine, reference))),
                 "drift_mean": float(np.abs(pairs).mean()),
                 "drift_max": float(np.abs(pairs).max()),
             }
@@ -316,6 +363,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             semantic = cache.semantic
             assert semantic is not None and semantic.index is not None
             loaded = len(semantic.index)
+            embedder = semantic.embedder
+            assert isinstance(embedder, SentenceTransformerEmbedder)
+            model = f"{embedder.precision}, {embedder.path} path"
             print(f"gateway cache started in {start_s:.1f} s with {loaded:,} entries", flush=True)
             taken = 0
             await closed_loop(cache, queries[:WARMUP], 1)
@@ -341,12 +391,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "loads_before": loads_before,
         "loads_after": os.getloadavg(),
         "entries": loaded,
+        "model": model,
         "real": len(real),
         "filled": filled,
         "start_s": start_s,
         "phases": phases,
         "steps": steps,
-        "variants": embedder_variants(queries[:512]) if args.variants else [],
+        "variants": await embedder_variants(queries[:512]) if args.variants else [],
     }
 
 
@@ -368,7 +419,7 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "index, verify, fetch the answer from Redis), over "
         f"**{result['entries']:,} entries in one scope**, on **one core** ({result['cpu']}, CPU "
         f"{result['core']}; torch and BLAS on one thread; redis-server on CPU {result['redis_core']}; "
-        f"niceness {result['nice']}).",
+        f"niceness {result['nice']}). Embedder as configured by default: {result['model']}.",
         "",
         "| concurrent lookups | lookups | p50 | p99 | bar (p99) | CPU per lookup | lookups/s | mean batch | hits "
         "| machine busy |",
@@ -410,18 +461,35 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "| --- | ---: | ---: |",
     ]
     lines += [f"| {name} | {p50:.2f} | {p99:.2f} |" for name, (p50, p99) in result["steps"].items()]
+    lines += [
+        "",
+        "Batch sizes the embedder ran (`fleetgate_cache_embed_batch_size`): batches of at most n texts, per phase:",
+        "",
+        "| concurrent lookups | " + " | ".join(f"<= {n}" for n in EMBED_BATCH_BUCKETS) + " |",
+        "| ---: | " + " | ".join("---:" for _ in EMBED_BATCH_BUCKETS) + " |",
+    ]
+    lines += [
+        f"| {p.concurrency} | " + " | ".join(f"{p.batch_sizes.get(n, 0):.0f}" for n in EMBED_BATCH_BUCKETS) + " |"
+        for p in phases
+    ]
     if result["variants"]:
         lines += [
             "",
-            "The model alone in other numeric formats, same core (512 query texts; drift = |change of the cosine",
-            "between consecutive texts| against float32, what the verifier would see):",
+            f"The model alone, same core, by path and numeric format ({len(result['variants'])} variants taking turns "
+            f"text by text: {VARIANT_LONE} lone texts, then 512 query texts in batches of {VARIANT_BATCH}). *direct*: "
+            "the embedder's path (tokenizer and transformer called directly, batches in groups of similar length), "
+            "timed through `SentenceTransformerEmbedder.embed`; *encode*: `SentenceTransformer.encode`. Vector gap = "
+            "largest 1 - cosine to the first row's vector of the same text; drift = |change of the cosine between "
+            "consecutive texts| against the first row, what the verifier would see:",
             "",
-            "| format | one text p50 | one text CPU | CPU per text in batches of 32 | drift mean | drift max |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            "| variant | one text p50 | one text CPU (mean) | one text CPU p99 | CPU per text in batches of "
+            f"{VARIANT_BATCH} | vector gap | drift mean | drift max |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         lines += [
-            f"| {v['name']} | {v['single_p50_ms']:.1f} ms | {v['single_cpu_ms']:.1f} ms | {v['batch_cpu_ms']:.1f} ms | "
-            f"{v['drift_mean']:.4f} | {v['drift_max']:.4f} |"
+            f"| {v['name']} | {v['single_p50_ms']:.1f} ms | {v['single_cpu_ms']:.1f} ms "
+            f"| {v['single_cpu_p99_ms']:.1f} ms | {v['batch_cpu_ms']:.1f} ms | {v['gap_max']:.1e} "
+            f"| {v['drift_mean']:.4f} | {v['drift_max']:.4f} |"
             for v in result["variants"]
         ]
     lines += analysis(result)
@@ -441,51 +509,106 @@ def analysis(result: dict[str, Any]) -> list[str]:
     """Why the bars are met or not, from this run's own numbers."""
     by_c = {p.concurrency: p for p in result["phases"]}
     one, many = by_c[1], by_c[32]
-    cpu_one = one.cpu_s / len(one.latencies) * 1000
-    cpu_many = many.cpu_s / len(many.latencies) * 1000
-    cpu_p99 = percentile(one.cpu_latencies, 99) * 1000
-    shipped = next((v for v in result["variants"] if v["name"].startswith("float32")), None)
-    lone_cpu = shipped["single_cpu_ms"] if shipped else result["steps"]["embed"][0]
-    embed_p50 = result["steps"]["embed"][0]
-    variants = {v["name"]: v for v in result["variants"]}
-    lines = [
-        "",
-        "## Reading the numbers",
-        "",
-        f"- **One lookup at a time** is a serial chain: the exact lookup (one Redis read), the embedding "
-        f"(p50 {embed_p50:.1f} ms alone in this run), the index (top-4 of "
-        f"{result['entries']:,}: sketch shortlist + exact rerank), the verifier, one more Redis read. Its CPU "
-        f"cost was {cpu_one:.1f} ms per lookup on average here (p99 {cpu_p99:.1f} ms), "
-        f"{'under' if cpu_p99 < BARS_MS[1] else 'over'} the 20 ms bar before any wait for the CPU. The model "
-        f"is most of it: {lone_cpu:.1f} ms of CPU for a lone text in this run, against ~12.6 ms measured on an "
-        "idle machine (`shared/RUNNING-HERE.md`); with the other core saturated, caches and memory bandwidth "
-        "are shared too. At 12.6 ms for the model the whole chain takes ~15-17 ms, so the bar needs a quiet "
-        "core, or a faster embedder to leave margin. On this shared, busy machine the wall time also adds "
-        "waiting for the CPU.",
-        f"- **32 lookups in flight on one core** cannot meet a 50 ms p99 with this model: by Little's law a "
-        f"closed loop of 32 takes at least 32 x (CPU per lookup) per round, {32 * cpu_many:.0f} ms at the "
-        f"{cpu_many:.1f} ms measured here. Batching is already doing its part (see the mean batch); the "
-        "bar needs about 1.5 ms of CPU per lookup, all steps included, some 7x less than float32 MiniLM "
-        "costs per text even in batches on this CPU.",
+    steps = result["steps"]
+    others = sum(p50 for name, (p50, _) in steps.items() if name != "embed")
+    lines = ["", "## Reading the numbers", "", *_alone(one, steps, others, result["variants"])]
+    lines += _concurrent(many, others, result["variants"])
+    lines += [
         "- **In a gateway** these lookups do not wait that long: past `embed_timeout_ms` (100 ms) a "
         "semantic lookup is a miss and the request goes upstream, and past `max_pending` (64) texts the "
         "model is not even asked. Under a load like the 32 and 256 rows the semantic cache therefore "
         "mostly stands aside (counted as `timeout` / `unavailable`) instead of delaying requests.",
     ]
-    bf16, int8 = variants.get("bfloat16 autocast"), variants.get("int8 dynamic (linear layers)")
-    if bf16 and int8:
-        lines += [
-            "- **What would fix it**, from the table above: bfloat16 autocast cuts the model's batched cost to "
-            f"{bf16['batch_cpu_ms']:.1f} ms per text (float32: {variants['float32 (shipped)']['batch_cpu_ms']:.1f}) "
-            f"and moves cosines by at most {bf16['drift_max']:.4f}, far below the verifier's margins: a free "
-            "first step (an option of `SentenceTransformerEmbedder`, not there yet). int8 is faster still "
-            f"({int8['batch_cpu_ms']:.1f} ms per text here; an int8 ONNX export is reported at ~3.5 ms for a "
-            f"lone query) but moves cosines by up to {int8['drift_max']:.2f}: the verifier must be retrained on "
-            "its vectors before it can be used. Even then, 32 concurrent lookups within 50 ms need more than "
-            "one core for the embedder (a batch of 32 in ~30 ms), a smaller encoder, or both; the index, "
-            "verifier and Redis steps (~3-5 ms together) would then dominate at one lookup at a time.",
-        ]
-    return lines
+    return lines + _levers(result["variants"])
+
+
+def _variant(variants: list[dict[str, Any]], prefix: str) -> dict[str, Any] | None:
+    return next((v for v in variants if v["name"].startswith(prefix)), None)
+
+
+def _alone(
+    one: Phase, steps: dict[str, tuple[float, float]], others: float, variants: list[dict[str, Any]]
+) -> list[str]:
+    """The bullet on one lookup at a time."""
+    bar = BARS_MS[1]
+    cpu_mean = one.cpu_s / len(one.latencies) * 1000
+    cpu_p99 = percentile(one.cpu_latencies, 99) * 1000
+    verdict = "met" if one.ms(99) < bar else "not met"
+    text = (
+        f"- **One lookup at a time** is a serial chain: the exact lookup (one Redis read), the embedding, the "
+        f"index, the verifier, one more Redis read. p99 **{one.ms(99):.1f} ms** against the {bar:g} ms bar: "
+        f"**{verdict}**. In CPU time a lookup cost {cpu_mean:.1f} ms on average, p99 {cpu_p99:.1f} ms, "
+        f"{'under' if cpu_p99 < bar else 'over'} the bar before any wait for the CPU. Alone, the embedding took "
+        f"{steps['embed'][0]:.1f} ms at p50 (p99 {steps['embed'][1]:.1f}), the index, verifier and answer read "
+        f"{others:.1f} ms together at p50."
+    )
+    default, previous = _variant(variants, DEFAULT_PRECISION), _variant(variants, "float32, encode")
+    if default and previous:
+        text += (
+            f" The model's CPU for a lone text was {default['single_cpu_ms']:.1f} ms on average with the default "
+            f"({default['name'].removesuffix(' (default)')}; p99 {default['single_cpu_p99_ms']:.1f}) against "
+            f"{previous['single_cpu_ms']:.1f} ms (p99 {previous['single_cpu_p99_ms']:.1f}) through `encode` in "
+            "float32, taking turns in this run."
+        )
+    if one.ms(99) >= bar:
+        text += (
+            f" Between the CPU-time p99 ({cpu_p99:.1f} ms) and the wall-time p99 ({one.ms(99):.1f} ms) the lookup "
+            f"waited for the CPU: the machine was {one.machine_busy:.0%} busy while the phase ran, and this process "
+            "had one of its two cores."
+        )
+    if cpu_p99 >= bar:
+        text += (
+            f" Even in CPU time the tail is over the bar{' (the mean is under it)' if cpu_mean < bar else ''}: on "
+            "this shared machine the same work costs more when the other core is busy (caches and memory "
+            "bandwidth are shared), and the model's cost grows with the length of the text; a quiet core or a "
+            "cheaper encoder is what would leave margin."
+        )
+    return [text]
+
+
+def _concurrent(many: Phase, others: float, variants: list[dict[str, Any]]) -> list[str]:
+    """The bullet on 32 lookups in flight."""
+    bar = BARS_MS[32]
+    cpu_many = many.cpu_s / len(many.latencies) * 1000
+    text = (
+        f"- **32 lookups in flight on one core**: p99 **{many.ms(99):.0f} ms** against the {bar:g} ms bar: "
+        f"**{'met' if many.ms(99) < bar else 'not met'}**. By Little's law a closed loop of 32 takes at least "
+        f"32 x (CPU per lookup) per round, {32 * cpu_many:.0f} ms at the {cpu_many:.1f} ms measured here (the "
+        f"measured p50, {many.ms(50):.0f} ms, adds the waits for a CPU {many.machine_busy:.0%} busy); the bar needs "
+        f"about {bar / 32:.1f} ms of CPU per lookup, all steps included."
+    )
+    default = _variant(variants, DEFAULT_PRECISION)
+    if default:
+        text += (
+            f" The model alone costs {default['batch_cpu_ms']:.1f} ms per text in batches of {VARIANT_BATCH} with "
+            f"the default, and the other steps {others:.1f} ms per lookup at p50: no setting of this encoder on "
+            "one core reaches it. Batching does its part (see the mean batch and the batch sizes)."
+        )
+    return [text]
+
+
+def _levers(variants: list[dict[str, Any]]) -> list[str]:
+    """What made the model cheaper in this run's table, and what would go further."""
+    previous, direct32 = _variant(variants, "float32, encode"), _variant(variants, "float32, direct")
+    bf16, int8 = _variant(variants, "bfloat16, direct"), _variant(variants, "int8")
+    if not (previous and direct32 and bf16 and int8):
+        return []
+    return [
+        "- **Where the model's cost went**, from the table above: calling the tokenizer and transformer directly "
+        f"took a lone text from {previous['single_cpu_ms']:.1f} to {direct32['single_cpu_ms']:.1f} ms of CPU "
+        f"(float32, same vectors: gap {direct32['gap_max']:.0e}); groups of similar length took a text in a batch "
+        f"of {VARIANT_BATCH} from {previous['batch_cpu_ms']:.1f} to {direct32['batch_cpu_ms']:.1f} ms; bfloat16 "
+        f"then to {bf16['single_cpu_ms']:.1f} ms lone and {bf16['batch_cpu_ms']:.1f} ms in a batch, moving cosines "
+        f"by {bf16['drift_mean']:.4f} on average and at most {bf16['drift_max']:.4f} (on the held-out half the "
+        "verifier's false hits and recall at the shipped threshold did not move beyond noise: "
+        "`docs/semantic-cache.md`). On a CPU without bfloat16 instructions bfloat16 is slower: set "
+        "`cache.semantic.precision: float32` there.",
+        f"- **What would go further**: int8 dynamic quantisation ({int8['single_cpu_ms']:.1f} ms lone, "
+        f"{int8['batch_cpu_ms']:.1f} ms per text in batches here, through `encode`, so without length groups) "
+        f"moves cosines by up to {int8['drift_max']:.2f}: the verifier would have to be retrained on its vectors "
+        "first. Even then, 32 concurrent lookups within 50 ms need more than one core for the embedder, a much "
+        "smaller encoder, or both.",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

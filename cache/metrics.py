@@ -10,7 +10,10 @@ a test process.
 Semantic lookups embed the text first, so their latency has its own, longer buckets in the
 same histogram (``kind="semantic"``); the embedder's own cost is in
 ``fleetgate_cache_embed_seconds`` and its batching in ``fleetgate_cache_embed_batches_total``
-/ ``fleetgate_cache_embed_texts_total`` (mean batch size = the ratio of their rates).
+/ ``fleetgate_cache_embed_texts_total`` (mean batch size = the ratio of their rates) and in
+``fleetgate_cache_embed_batch_size``, the distribution behind that mean (a lone text costs
+the model two to three times as much as a text in a batch of 32: many batches of one under
+load mean lookups arrive too far apart to share the model).
 
 The hit ratio is exported for convenience over the process's lifetime; dashboards should
 use rates: ``sum(rate(fleetgate_cache_lookups_total{result="hit"}[5m])) /
@@ -34,6 +37,8 @@ LOOKUP_RESULTS = ("hit", "miss", "timeout", "unavailable", "error")
 # top buckets reach past its embed timeout.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 EMBED_BUCKETS = (0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Texts per embedder batch: powers of two up to the default batch_size (64).
+EMBED_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Why a semantic lookup found no answer, or which rule made it a hit (SemanticVerifier's
 # reasons, plus answer_gone: the verified entry's answer had expired or been evicted).
 SEMANTIC_VERDICTS = ("verified", "same_words", "below_cosine_floor", "low_score", "no_candidate", "answer_gone")
@@ -119,6 +124,12 @@ class CacheMetrics:
             buckets=EMBED_BUCKETS,
             registry=r,
         )
+        self.embed_batch_size = Histogram(
+            "fleetgate_cache_embed_batch_size",
+            "Texts per batch the embedding model ran (concurrent lookups share a batch).",
+            buckets=EMBED_BATCH_BUCKETS,
+            registry=r,
+        )
         self.embed_pending = Gauge(
             "fleetgate_cache_embed_pending",
             "Texts waiting for or being embedded (lookups skip the semantic cache past max_pending).",
@@ -164,6 +175,10 @@ class CacheMetrics:
         if self._embedder_stats is None:
             self._embedder_stats = EmbedderStatsCollector(stats)
             self.registry.register(self._embedder_stats)
+
+    def record_embed_batch(self, texts: int) -> None:
+        """The embedder ran a batch of ``texts`` texts (its per-batch callback)."""
+        self.embed_batch_size.observe(texts)
 
     def _ratio(self, kind: str) -> Callable[[], float]:
         def ratio() -> float:

@@ -159,6 +159,7 @@ class SemanticCache:
                 self.settings.model_dir,
                 max_batch_size=self.settings.batch_size,
                 max_wait_s=self.settings.batch_wait_ms / 1000,
+                precision=self.settings.precision,
             )
             if isinstance(embedder, contextlib.AbstractAsyncContextManager):
                 await self._stack.enter_async_context(embedder)
@@ -190,6 +191,7 @@ class SemanticCache:
         self._embedder, self._verifier, self.index = embedder, verifier, index
         if isinstance(embedder, SentenceTransformerEmbedder):
             self.metrics.watch_embedder(lambda: (embedder.stats.batches, embedder.stats.texts))
+            embedder.on_batch = self.metrics.record_embed_batch
         self.metrics.entries.labels(SEMANTIC).set_function(lambda: float(len(index)))
         self.state = State.READY
 
