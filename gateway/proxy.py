@@ -169,7 +169,9 @@ class Proxy:
         except TimeoutError as exc:
             raise UpstreamFailure("deadline", "the request's deadline passed") from exc
 
-    def _claim(self, ex: Exchange, replica: Replica) -> Claim:
+    def _claim(self, ex: Exchange, replica: Replica, streamed: bool) -> Claim:
+        if ex.route is not None:
+            return ex.route.claim(replica, streamed)
         call = ex.call
         return Claim(replica, call.prompt_tokens_estimate, call.max_tokens or DEFAULT_COMPLETION_ESTIMATE)
 
@@ -188,7 +190,7 @@ class Proxy:
             replica = self._next(ex, pick)
             if replica is None:
                 break
-            claim = self._claim(ex, replica)
+            claim = self._claim(ex, replica, streamed=False)
             try:
                 if ex.cut_at_deadline:
                     status, body, ctype = await self._before_deadline(ex, self._send(ex, replica))
@@ -247,7 +249,7 @@ class Proxy:
             replica = self._next(ex, pick)
             if replica is None:
                 break
-            claim = self._claim(ex, replica)
+            claim = self._claim(ex, replica, streamed=True)
             try:
                 if ex.cut_at_deadline:
                     opening = self._open_with_keepalive(ex, replica, request)

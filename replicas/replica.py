@@ -14,6 +14,7 @@ is open the replica is skipped even if its /health still answers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -71,6 +72,10 @@ class Replica:
     state: ReplicaState = ReplicaState.STARTING
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
+    # Streamed requests of this gateway still waiting for their first token, and their
+    # prompt tokens the replica must still compute (estimated: cached prefixes excluded).
+    prefill_requests: int = 0
+    prefill_tokens: int = 0
     # Last values scraped from the replica's /metrics (vLLM metric name -> value).
     gauges: dict[str, float] = field(default_factory=dict)
     consecutive_probe_failures: int = 0
@@ -93,6 +98,7 @@ class Replica:
             "breaker_open": self.breaker.is_open and not self.breaker.allows(now),
             "outstanding_requests": self.outstanding_requests,
             "outstanding_tokens": self.outstanding_tokens,
+            "prefill_tokens": self.prefill_tokens,
             "restarts": self.restarts,
             "pid": self.pid,
             "gauges": dict(self.gauges),
@@ -102,24 +108,46 @@ class Replica:
 class Claim:
     """The load one request puts on a replica, taken back as the replica works it off.
 
-    At dispatch the replica owes the whole prompt (prefill) and up to ``completion``
-    tokens; the first token pays off the prompt, each further token one completion token,
-    and ``release`` returns whatever is left (finished early, failed or cancelled).
+    At dispatch the replica owes the prompt's prefill (``prompt``: the tokens it must compute,
+    i.e. not already in its prefix cache) and up to ``completion`` tokens; the first token
+    pays off the prompt, each further token one completion token, and ``release`` returns
+    whatever is left (finished early, failed or cancelled).
+
+    A streamed request (``streamed``) also counts in the replica's prefill backlog
+    (``prefill_requests`` / ``prefill_tokens``) until its first token arrives, and then
+    calls ``on_prefilled`` (the pool's admission hands the freed room on). A non-streamed
+    response shows no first token, so it is not counted there.
     """
 
-    __slots__ = ("_completion_left", "_prompt_left", "_released", "replica")
+    __slots__ = ("_completion_left", "_on_prefilled", "_prefilling", "_prompt_left", "_released", "replica")
 
-    def __init__(self, replica: Replica, prompt: int, completion: int) -> None:
+    def __init__(
+        self,
+        replica: Replica,
+        prompt: int,
+        completion: int,
+        *,
+        streamed: bool = False,
+        on_prefilled: Callable[[], None] | None = None,
+    ) -> None:
         self.replica = replica
         self._prompt_left = prompt
         self._completion_left = completion
         self._released = False
+        self._prefilling = streamed
+        self._on_prefilled = on_prefilled
         replica.outstanding_requests += 1
         replica.outstanding_tokens += prompt + completion
+        if streamed:
+            replica.prefill_requests += 1
+            replica.prefill_tokens += prompt
 
     def prefilled(self) -> None:
+        self._end_prefill()
         self.replica.outstanding_tokens -= self._prompt_left
         self._prompt_left = 0
+        if self._on_prefilled is not None:
+            self._on_prefilled()
 
     def generated(self, n: int) -> None:
         n = min(n, self._completion_left)
@@ -130,6 +158,13 @@ class Claim:
         if self._released:
             return
         self._released = True
+        self._end_prefill()
         self.replica.outstanding_tokens -= self._prompt_left + self._completion_left
         self.replica.outstanding_requests -= 1
         self._prompt_left = self._completion_left = 0
+
+    def _end_prefill(self) -> None:
+        if self._prefilling:
+            self._prefilling = False
+            self.replica.prefill_requests -= 1
+            self.replica.prefill_tokens -= self._prompt_left

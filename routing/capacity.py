@@ -8,12 +8,22 @@ replica of a pool is at capacity. Capacity is counted in request slots:
 - requests: ``max_requests - max(own, running + waiting)``. ``own`` is this gateway's
   in-flight requests on the replica; the scraped gauges add what other gateway pods sent
   (they include our own requests as of the last scrape, hence the ``max``).
+- prefill, when ``max_prefill_tokens`` is set: a replica whose prefill backlog is at or
+  past it is full, otherwise it has one slot. The backlog is this gateway's streamed
+  requests still waiting for their first token (their uncached prompt tokens) plus a
+  typical request's tokens for each request the replica reports waiting that is not ours.
+  vLLM prefills first come first served, so a request sent to a replica behind a backlog
+  of B tokens gets its first token no sooner than B tokens of prefill later: bounding B
+  (by default to half a step of vLLM's 8,192-token chunked prefill) bounds that wait,
+  while the replica always has its next prompt queued. One slot, not several: the size of
+  the next waiting request is not known here, so room is handed out one request per
+  replica and counted again once it has been claimed.
 - tokens, when ``max_outstanding_tokens`` is set: the room left under it, measured with
   ``LoadModel.effective_load`` (own outstanding tokens, foreign work, KV pressure), divided
   by a typical request's tokens and rounded up.
 
-The smaller of the two is the replica's free slots. Pure: the caller passes the fleet's
-state and the time.
+The smallest is the replica's free slots. Pure: the caller passes the fleet's state and the
+time.
 """
 
 from __future__ import annotations
@@ -35,11 +45,24 @@ class Capacity:
 
     max_requests: int | None = 256
     max_outstanding_tokens: int | None = None
+    max_prefill_tokens: int | None = None
     load: LoadModel = field(default_factory=LoadModel)
 
     @property
     def bounded(self) -> bool:
-        return self.max_requests is not None or self.max_outstanding_tokens is not None
+        return (
+            self.max_requests is not None
+            or self.max_outstanding_tokens is not None
+            or self.max_prefill_tokens is not None
+        )
+
+    def prefill_backlog(self, replica: Replica) -> float:
+        """Prompt tokens ``replica`` must compute before a request sent now starts its own prefill."""
+        backlog = float(replica.prefill_tokens)
+        waiting = replica.gauges.get(GAUGE_WAITING, 0.0) if replica.gauges else 0.0
+        if waiting > replica.prefill_requests:
+            backlog += self.load.tokens_per_request * (waiting - replica.prefill_requests)
+        return backlog
 
     def slots(self, replica: Replica) -> int:
         """Requests ``replica`` can still take before it is at capacity (0: full)."""
@@ -60,6 +83,10 @@ class Capacity:
                 return 0
             per_request = max(1, self.load.tokens_per_request)
             free = min(free, math.ceil(room / per_request))
+        if self.max_prefill_tokens is not None:
+            if self.prefill_backlog(replica) >= self.max_prefill_tokens:
+                return 0
+            free = min(free, 1)
         return free
 
 

@@ -9,8 +9,8 @@ Example::
         - {name: small, min_score: 0.0, max_score: 0.3}
         - {name: medium, min_score: 0.3, max_score: 0.55}
         - {name: large, min_score: 0.55, max_score: 1.0}
-      affinity: {factor: 1.5, margin_tokens: 2048, spill_ranks: 1, anchor_blocks: 4}
-      capacity: {max_requests: 256}  # per replica, unless models[].capacity says otherwise
+      affinity: {factor: 1.5, margin_requests: 4, anchor_blocks: 4}
+      capacity: {max_requests: 256, max_prefill_tokens: 4096}  # per replica, unless models[].capacity says otherwise
       retry_budget: {ratio: 0.2, min_per_s: 1, burst: 10}
       queue: {max_queue_length: 256, max_wait_s: {high: 30, normal: 10, low: 2}}
 
@@ -25,7 +25,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from routing.classifier import DEFAULT_TIERS, TierRange, validate_tiers
-from routing.policies import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS
+from routing.policies import (
+    DEFAULT_BLOCK_CHARS,
+    DEFAULT_COARSE_BLOCK_CHARS,
+    DEFAULT_MAX_BLOCKS,
+    DEFAULT_MAX_PREFIX_CHARS,
+)
+from routing.prefix_index import DEFAULT_MAX_KEYS
 
 PolicyName = Literal["prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin"]
 Priority = Literal["low", "normal", "high"]
@@ -49,17 +55,26 @@ class TierSettings(_Frozen):
 
 
 class AffinitySettings(_Frozen):
-    """``PrefixAffinity``: how prompts are keyed and when affinity yields to load."""
+    """How prompts are keyed (``prefix_keys``, ``PrefixIndex``) and when affinity yields to load."""
 
-    # Keep the preferred replica while load(it) <= factor * min_load + margin_tokens.
+    # Keep the warm replica while requests(it) <= factor * min_requests + margin_requests.
     factor: float = Field(1.5, ge=1.0)
-    margin_tokens: int = Field(2048, ge=0)
-    # Further replicas, in rendezvous order, tried before the least loaded.
-    spill_ranks: int = Field(1, ge=0, le=16)
-    # Requests sharing this many leading blocks go to the same replica.
+    margin_requests: int = Field(4, ge=0)
+    # A replica is warm for a request when it holds at least this many of its leading blocks.
     anchor_blocks: int = Field(4, ge=1)
     block_chars: int = Field(DEFAULT_BLOCK_CHARS, ge=16)
     max_blocks: int = Field(DEFAULT_MAX_BLOCKS, ge=1)
+    # Past max_blocks fine blocks, blocks of this size, up to max_prefix_chars.
+    coarse_block_chars: int = Field(DEFAULT_COARSE_BLOCK_CHARS, ge=16)
+    max_prefix_chars: int = Field(DEFAULT_MAX_PREFIX_CHARS, ge=16)
+    # Prefix keys each pool remembers (where each was sent), most recent first.
+    index_keys: int = Field(DEFAULT_MAX_KEYS, ge=1)
+
+    @model_validator(mode="after")
+    def _anchor_within_fine_blocks(self) -> AffinitySettings:
+        if self.anchor_blocks > self.max_blocks:
+            raise ValueError("anchor_blocks must not exceed max_blocks")
+        return self
 
 
 class LoadSettings(_Frozen):
@@ -76,11 +91,18 @@ class CapacitySettings(_Frozen):
     ``max_requests`` is vLLM's ``--max-num-seqs`` (256 by default on most GPUs): past it a
     replica queues requests itself, first come first served, whoever sent them.
     ``max_outstanding_tokens`` is its KV cache size in tokens (vLLM logs "GPU KV cache
-    size: N tokens" at start); unset, only the request count bounds it.
+    size: N tokens" at start); unset, it bounds nothing. ``max_prefill_tokens`` bounds the
+    prompt tokens a replica still has to prefill (this gateway's streamed requests before
+    their first token, cached prefixes excluded, plus the requests it reports waiting):
+    a request sent behind that backlog waits for all of it before its own first token, so
+    this bound is what keeps a flood waiting in the gateway's fair queue instead of in the
+    replica's first-come-first-served one. The default, 4,096, is half a step of vLLM's
+    8,192-token chunked prefill; ``null`` turns the bound off.
     """
 
     max_requests: int | None = Field(256, gt=0)
     max_outstanding_tokens: int | None = Field(None, gt=0)
+    max_prefill_tokens: int | None = Field(4096, gt=0)
 
 
 class RetryBudgetSettings(_Frozen):

@@ -8,9 +8,10 @@ awaits or reads a clock; the caller passes ``now`` and each policy owns its
 - ``LeastOutstandingTokens`` ranks replicas by ``effective_load``: this gateway's own
   outstanding tokens, corrected by what the replica reports about work it got from
   elsewhere (other gateway pods) and about KV-cache pressure.
-- ``PrefixAffinity`` (the default) sends requests sharing a leading prefix to the same
-  replica, chosen by rendezvous hashing so every gateway pod agrees without sharing state,
-  and gives up that affinity when the preferred replica's load gets out of line.
+- ``PrefixAffinity`` (the default) sends a request where its prefix was sent before
+  (``routing.prefix_index``), so the replica's prefix cache spares most of its prefill, and
+  gives up that affinity when the warm replicas' load gets out of line; a prefix seen
+  nowhere goes to the least loaded replica.
 
 A replica that is draining, down, failed or circuit-open is never chosen
 (``Replica.routable(now)``), nor one in ``exclude`` (already tried for this request).
@@ -22,10 +23,10 @@ import hashlib
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Protocol
 
 from replicas.replica import Replica
+from routing.prefix_index import PrefixIndex
 
 # vLLM gauges this module reads (names as exposed by current vLLM).
 GAUGE_RUNNING = "vllm:num_requests_running"
@@ -35,23 +36,36 @@ GAUGE_KV_USAGE = "vllm:kv_cache_usage_perc"
 # Prefix blocks: 256 characters is ~64 tokens, i.e. four of vLLM's default 16-token KV
 # blocks, so a matching block stands for KV the replica can actually reuse.
 DEFAULT_BLOCK_CHARS = 256
-# Past 32 blocks (~8k characters) a longer match no longer changes where a request goes.
+# Fine blocks cover the first 32 x 256 characters (~2k tokens: system prompts, tool lists);
+# past them blocks are coarser, 4,096 characters, up to 256k characters (~64k tokens).
 DEFAULT_MAX_BLOCKS = 32
-
-_MASK64 = (1 << 64) - 1
+DEFAULT_COARSE_BLOCK_CHARS = 4096
+DEFAULT_MAX_PREFIX_CHARS = 262144
 
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What a policy needs to know about a request: plain data, built once per request.
 
-    ``prefix_keys[i]`` is a hash of the first ``(i + 1) * block_chars`` characters of the
-    prompt, so two requests share ``k`` keys exactly when they share ``k`` full blocks.
+    ``prefix_keys[i]`` is a hash of the prompt's first ``prefix_ends[i]`` characters, so two
+    requests share ``k`` keys exactly when they share ``k`` full blocks. ``prompt_chars``
+    is the length of the text the keys were cut from (the whole prompt, up to the hashing
+    limit), so ``prefix_ends[k - 1] / prompt_chars`` is the share of the prompt a replica
+    holding ``k`` keys has cached.
     """
 
     prefix_keys: tuple[int, ...] = ()
     prompt_tokens: int = 0
     max_tokens: int = 0
+    prefix_ends: tuple[int, ...] = ()
+    prompt_chars: int = 0
+
+    def uncached_tokens(self, depth: int) -> int:
+        """Prompt tokens left to prefill on a replica holding the first ``depth`` keys."""
+        if depth <= 0 or self.prompt_chars <= 0:
+            return self.prompt_tokens
+        cached = min(1.0, self.prefix_ends[depth - 1] / self.prompt_chars)
+        return max(1, round(self.prompt_tokens * (1.0 - cached)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +108,15 @@ class LoadModel:
     tokens_per_request: int = 512
     kv_knee: float = 0.8
     kv_full_tokens: int = 8192
+
+    def requests(self, replica: Replica) -> float:
+        """Requests in flight on ``replica``: this pod's, plus those it reports that are not ours."""
+        own = replica.outstanding_requests
+        gauges = replica.gauges
+        if not gauges:
+            return own
+        seen = gauges.get(GAUGE_RUNNING, 0.0) + gauges.get(GAUGE_WAITING, 0.0)
+        return seen if seen > own else own
 
     def effective_load(self, replica: Replica) -> float:
         gauges = replica.gauges
@@ -142,7 +165,9 @@ class LeastRequests:
     def pick(
         self, replicas: Sequence[Replica], request: RouteRequest, now: float, exclude: Collection[str] = ()
     ) -> Decision:
-        best = _argmin(_candidates(replicas, now, exclude), lambda r: r.outstanding_requests, self._rng)
+        best = _argmin(
+            _candidates(replicas, now, exclude), lambda r: (r.outstanding_requests, r.outstanding_tokens), self._rng
+        )
         return Decision(best, "least_requests" if best else "no_routable_replica")
 
 
@@ -156,42 +181,49 @@ class LeastOutstandingTokens:
     def pick(
         self, replicas: Sequence[Replica], request: RouteRequest, now: float, exclude: Collection[str] = ()
     ) -> Decision:
-        best = _argmin(_candidates(replicas, now, exclude), self._load.effective_load, self._rng)
+        load = self._load.effective_load
+        best = _argmin(_candidates(replicas, now, exclude), lambda r: (load(r), r.outstanding_tokens), self._rng)
         return Decision(best, "least_tokens" if best else "no_routable_replica")
 
 
 @dataclass(frozen=True, slots=True)
 class AffinityGuard:
-    """When affinity is worth keeping: ``load(preferred) <= factor * min_load + margin_tokens``.
+    """When affinity is worth keeping: ``requests(warm) <= factor * min_requests + margin_requests``.
 
-    The margin keeps affinity on a lightly loaded fleet, where the factor alone would flap
-    on a few hundred tokens; the factor bounds the imbalance under heavy load, where a hot
-    prefix would otherwise pile its whole traffic onto one replica (affinity-only routers
-    collapse under skew). ``spill_ranks`` more replicas are tried in rendezvous order
-    before falling back to the least loaded, so an overflowing prefix still lands on a
-    stable second home whose cache warms too.
+    Counted in requests in flight, the measure of how many sequences a new request's prefill
+    will stall and share decode steps with; the prefill a replica still owes is bounded
+    apart from this (``routing.capacity``). The margin keeps affinity on a lightly loaded
+    fleet, where the factor alone would flap on one request; the factor bounds the imbalance
+    under heavy load, where a hot prefix would otherwise pile its whole traffic onto one
+    replica (affinity-only routers collapse under skew). A request the guard turns away goes
+    to the least busy replica, which then holds the prefix too: a hot prefix spreads over
+    as many replicas as its load needs.
     """
 
     factor: float = 1.5
-    margin_tokens: int = 2048
-    spill_ranks: int = 1
+    margin_requests: int = 4
 
-    def allows(self, load: float, min_load: float) -> bool:
-        return load <= self.factor * min_load + self.margin_tokens
+    def allows(self, requests: float, min_requests: float) -> bool:
+        return requests <= self.factor * min_requests + self.margin_requests
 
 
 class PrefixAffinity:
-    """Rendezvous-hash the request's prefix to a replica, within the load guard.
+    """Send a request to the least busy replica warm for its prefix, within the load guard.
 
-    The key is ``prefix_keys[min(len, anchor_blocks) - 1]``: requests sharing the first
-    ``anchor_blocks`` blocks go to the same replica; a shorter prompt uses its own longest
-    full block. Prompts shorter than one block carry no key and go to the least loaded
-    (there is little prefill to save on them).
+    Warm: holding, in the pool's ``PrefixIndex``, the deepest prefix of the request's keys
+    that is at least ``anchor_blocks`` blocks long (shorter matches, a common first line,
+    save too little prefill to count). A prefix no replica holds, and a prompt shorter than
+    one block, go to the least busy replica (``new_prefix`` / ``no_prefix``): hashing unseen
+    prefixes onto fixed replicas would only unbalance the load. Least busy: fewest requests
+    in flight, then least ``effective_load``; each new request's prefill stalls the decode
+    steps of every sequence on its replica, so fewer sequences there means fewer stalled.
+    The caller records each choice in the index (``routing.router.Route``).
     """
 
     def __init__(
         self,
         rng: random.Random,
+        index: PrefixIndex,
         load: LoadModel | None = None,
         guard: AffinityGuard | None = None,
         anchor_blocks: int = 4,
@@ -199,6 +231,7 @@ class PrefixAffinity:
         if anchor_blocks < 1:
             raise ValueError("anchor_blocks must be at least 1")
         self._rng = rng
+        self.index = index
         self._load = load or LoadModel()
         self._guard = guard or AffinityGuard()
         self._anchor = anchor_blocks
@@ -209,58 +242,45 @@ class PrefixAffinity:
         candidates = _candidates(replicas, now, exclude)
         if not candidates:
             return Decision(None, "no_routable_replica")
+        model = self._load
+        measured = {r.id: (model.requests(r), model.effective_load(r)) for r in candidates}
+
+        def busy(replica: Replica) -> tuple[float, float]:
+            return measured[replica.id]
+
         keys = request.prefix_keys
         if not keys:
-            return Decision(_argmin(candidates, self._load.effective_load, self._rng), "no_prefix")
-        key = keys[min(len(keys), self._anchor) - 1]
-        ranked = rendezvous_rank(key, candidates)
-        loads = {r.id: self._load.effective_load(r) for r in candidates}
-        min_load = min(loads.values())
-        for rank, replica in enumerate(ranked[: 1 + self._guard.spill_ranks]):
-            if self._guard.allows(loads[replica.id], min_load):
-                return Decision(replica, "affinity" if rank == 0 else f"affinity_spill:{rank}")
-        # The least loaded, from the loads already measured (same choice as LeastOutstandingTokens).
-        return Decision(_argmin(candidates, lambda r: loads[r.id], self._rng), "affinity_overloaded")
-
-
-def rendezvous_rank(key: int, replicas: Sequence[Replica]) -> list[Replica]:
-    """Replicas by descending highest-random-weight for ``key``.
-
-    Removing a replica changes the top choice only for keys whose top choice it was, so
-    only that replica's prefixes move (and their caches are cold anywhere anyway).
-    """
-    return sorted(replicas, key=lambda r: _mix(key ^ _id_hash(r.id)), reverse=True)
-
-
-@lru_cache(maxsize=4096)
-def _id_hash(replica_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(replica_id.encode(), digest_size=8).digest(), "little")
-
-
-def _mix(x: int) -> int:
-    """splitmix64 finaliser: a cheap, well-spread 64-bit mix of key and replica."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+            return Decision(_argmin(candidates, busy, self._rng), "no_prefix")
+        warm, _ = self.index.warmest(keys, candidates, self._anchor)
+        if not warm:
+            return Decision(_argmin(candidates, busy, self._rng), "new_prefix")
+        best = _argmin(warm, busy, self._rng)
+        assert best is not None
+        if self._guard.allows(measured[best.id][0], min(m[0] for m in measured.values())):
+            return Decision(best, "affinity")
+        return Decision(_argmin(candidates, busy, self._rng), "affinity_overloaded")
 
 
 def prefix_keys(
-    body: dict[str, Any], block_chars: int = DEFAULT_BLOCK_CHARS, max_blocks: int = DEFAULT_MAX_BLOCKS
-) -> tuple[int, ...]:
-    """Cumulative hashes of the prompt's leading full blocks (chat messages or completion prompt).
+    body: dict[str, Any],
+    block_chars: int = DEFAULT_BLOCK_CHARS,
+    max_blocks: int = DEFAULT_MAX_BLOCKS,
+    coarse_block_chars: int = DEFAULT_COARSE_BLOCK_CHARS,
+    max_chars: int = DEFAULT_MAX_PREFIX_CHARS,
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Cumulative hashes of the prompt's leading full blocks, where each ends, and the prompt's length.
 
-    Roles are part of the text so a system prompt and the same words as a user turn differ,
-    as they do in the replica's chat template. Only the first ``block_chars * max_blocks``
-    characters are read.
+    ``max_blocks`` blocks of ``block_chars`` characters, then blocks of ``coarse_block_chars``
+    up to ``max_chars`` (the rest is neither hashed nor counted). Roles are part of the text
+    (chat messages) so a system prompt and the same words as a user turn differ, as they do
+    in the replica's chat template.
     """
-    limit = block_chars * max_blocks
     parts: list[str] = []
     size = 0
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:
-            if size >= limit:
+            if size >= max_chars:
                 break
             if not isinstance(message, dict):
                 continue
@@ -273,13 +293,19 @@ def prefix_keys(
             parts.append(prompt)
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             parts.append(prompt[0])
-    text = "".join(parts)[:limit]
+    text = "".join(parts)[:max_chars]
     hasher = hashlib.blake2b(digest_size=8)
     keys: list[int] = []
-    for start in range(0, len(text) - block_chars + 1, block_chars):
-        hasher.update(text[start : start + block_chars].encode())
+    ends: list[int] = []
+    start, step, size = 0, block_chars, len(text)
+    while start + step <= size:
+        hasher.update(text[start : start + step].encode())
         keys.append(int.from_bytes(hasher.copy().digest(), "little"))
-    return tuple(keys)
+        start += step
+        ends.append(start)
+        if len(keys) == max_blocks:
+            step = coarse_block_chars
+    return tuple(keys), tuple(ends), size
 
 
 def _content_text(content: Any) -> str:
@@ -290,11 +316,15 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def _argmin(candidates: list[Replica], load: Callable[[Replica], float], rng: random.Random) -> Replica | None:
+def _argmin(
+    candidates: list[Replica], key: Callable[[Replica], tuple[float, float]], rng: random.Random
+) -> Replica | None:
+    """The candidate with the smallest ``key``; exact ties at random."""
     best: Replica | None = None
-    best_key: tuple[float, int, float] | None = None
+    best_key: tuple[float, float, float] | None = None
     for replica in candidates:
-        key = (load(replica), replica.outstanding_tokens, rng.random())
-        if best_key is None or key < best_key:
-            best, best_key = replica, key
+        first, second = key(replica)
+        k = (first, second, rng.random())
+        if best_key is None or k < best_key:
+            best, best_key = replica, k
     return best

@@ -5,9 +5,11 @@ requests only), then ``route`` for a ``Route``: the proxy's picker for that requ
 ``Route`` walks the request's model pool first and then that model's fallback chain
 (``models[].fallback``, in order, not followed transitively), asking each pool's policy
 for a replica not yet tried; it builds the policy's view of the request (``RouteRequest``,
-with prefix keys only when the policy uses them) once, on the first pick, so a request
-answered from the cache or refused by limits never pays for it. Retries after a failed
-attempt are allowed while the primary pool's ``RetryBudget`` has credit.
+with prefix keys only when something uses them) once, on the first pick, so a request
+answered from the cache or refused by limits never pays for it. Each choice is recorded in
+the pool's ``PrefixIndex``, which also estimates how much of the prompt the chosen replica
+has cached: the prefill the request's ``Claim`` charges it. Retries after a failed attempt
+are allowed while the primary pool's ``RetryBudget`` has credit.
 
 Nothing here awaits: the waiting (fair queue) is ``routing.admission``, the sending is
 ``gateway.proxy``.
@@ -20,7 +22,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from replicas.replica import Replica
+from replicas.replica import Claim, Replica
 from routing.admission import Admission
 from routing.capacity import Capacity
 from routing.classifier import Classification, classify, resolve_tier
@@ -39,6 +41,7 @@ from routing.policies import (
     RouteRequest,
     prefix_keys,
 )
+from routing.prefix_index import PrefixIndex
 from routing.retry_budget import RetryBudget
 from routing.tier_map import TierMap
 
@@ -70,11 +73,15 @@ class TierChoice:
         return f"{self.classification.header()}; tier={self.tier}; {self.reason}"
 
 
-def make_policy(name: PolicyName, rng: random.Random, load: LoadModel, affinity: AffinitySettings) -> Policy:
+def make_policy(
+    name: PolicyName, rng: random.Random, load: LoadModel, affinity: AffinitySettings, index: PrefixIndex | None
+) -> Policy:
     """A fresh policy instance (each pool owns its own: round robin keeps a counter)."""
     if name == "prefix_affinity":
-        guard = AffinityGuard(affinity.factor, affinity.margin_tokens, affinity.spill_ranks)
-        return PrefixAffinity(rng, load, guard, anchor_blocks=affinity.anchor_blocks)
+        if index is None:
+            raise ValueError("prefix_affinity needs its pool's prefix index")
+        guard = AffinityGuard(affinity.factor, affinity.margin_requests)
+        return PrefixAffinity(rng, index, load, guard, anchor_blocks=affinity.anchor_blocks)
     if name == "least_outstanding_tokens":
         return LeastOutstandingTokens(rng, load)
     if name == "least_requests":
@@ -85,9 +92,9 @@ def make_policy(name: PolicyName, rng: random.Random, load: LoadModel, affinity:
 
 
 class Pool:
-    """One model's replicas with its policy, per-replica capacity, retry budget and fair queue."""
+    """One model's replicas with its policy, per-replica capacity, retry budget, fair queue and prefix index."""
 
-    __slots__ = ("admission", "budget", "capacity", "fallback", "model", "policy", "replicas")
+    __slots__ = ("admission", "budget", "capacity", "fallback", "index", "model", "policy", "replicas")
 
     def __init__(
         self,
@@ -98,6 +105,7 @@ class Pool:
         budget: RetryBudget,
         admission: Admission,
         fallback: tuple[str, ...] = (),
+        index: PrefixIndex | None = None,
     ) -> None:
         self.model = model
         # The fleet's own list, updated in place by discovery.
@@ -107,6 +115,8 @@ class Pool:
         self.budget = budget
         self.admission = admission
         self.fallback = fallback
+        # Where prefixes were sent (None when nothing hashes prompts: no estimate needed).
+        self.index = index
 
     def pick(self, request: RouteRequest, now: float, exclude: Collection[str]) -> Decision:
         """The policy's choice, among replicas with a free slot when some are full and others not."""
@@ -131,6 +141,7 @@ class Route:
     __slots__ = (
         "_chain",
         "_counted_fallback",
+        "_prefill",
         "_request",
         "_router",
         "body",
@@ -163,6 +174,8 @@ class Route:
         self._chain: tuple[Pool, ...] | None = None
         self._request: RouteRequest | None = None
         self._counted_fallback = False
+        # Prompt tokens the last chosen replica must compute (its cached prefix excluded).
+        self._prefill = prompt_tokens
         self.reason: str | None = None
         self.served: str | None = None
         self.queued_s: float | None = None
@@ -200,19 +213,35 @@ class Route:
             # towards its pool's retry budget.
             self._request = router.route_request(self.body, self.prompt_tokens, self.max_tokens)
             chain[0].budget.deposit(now)
-        for index, pool in enumerate(chain):
-            decision = pool.pick(self._request, now, exclude)
+        request = self._request
+        for position, pool in enumerate(chain):
+            decision = pool.pick(request, now, exclude)
             replica = decision.replica
             if replica is None:
                 continue
             self.reason = decision.reason
             self.served = pool.model
+            index = pool.index
+            if index is not None and request.prefix_keys:
+                self._prefill = request.uncached_tokens(index.depth(request.prefix_keys, replica.id))
+                index.record(request.prefix_keys, replica.id)
+            else:
+                self._prefill = self.prompt_tokens
             router.metrics.decided(pool.model, decision.reason)
-            if index and not self._counted_fallback:
+            if position and not self._counted_fallback:
                 self._counted_fallback = True
                 router.metrics.series(router.metrics.fallbacks, self.model, pool.model).inc()
             return replica
         return None
+
+    def claim(self, replica: Replica, streamed: bool) -> Claim:
+        """The load of this attempt on ``replica`` (just chosen): its uncached prompt and ``max_tokens``.
+
+        A streamed attempt's first token hands the room it held in the prefill backlog to
+        the next request waiting for the pool.
+        """
+        pool = self._router.pools[self.served or self.model]
+        return Claim(replica, self._prefill, self.max_tokens, streamed=streamed, on_prefilled=pool.admission.notify)
 
     def may_retry(self) -> bool:
         """Whether another attempt may follow a failed one (the primary pool's retry budget)."""
@@ -268,9 +297,10 @@ class Router:
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
-        self._wants_keys = policy == "prefix_affinity"
-        self._block_chars = affinity.block_chars
-        self._max_blocks = affinity.max_blocks
+        # Prompts are hashed for prefix affinity, and for the prefill estimate of a pool
+        # whose capacity bounds the prefill backlog.
+        self._wants_keys = any(p.index is not None for p in self.pools.values())
+        self._affinity = affinity
         self._chains: dict[str, tuple[Pool, ...]] = {}
         for model, pool in self.pools.items():
             self._chains[model] = (pool, *(self.pools[m] for m in pool.fallback if m in self.pools and m != model))
@@ -296,7 +326,10 @@ class Router:
         pools: dict[str, Pool] = {}
         for spec in specs:
             cs = spec.capacity or settings.capacity
-            capacity = Capacity(cs.max_requests, cs.max_outstanding_tokens, load)
+            capacity = Capacity(cs.max_requests, cs.max_outstanding_tokens, cs.max_prefill_tokens, load)
+            index = None
+            if settings.policy == "prefix_affinity" or cs.max_prefill_tokens is not None:
+                index = PrefixIndex(settings.affinity.index_keys)
             members = replicas[spec.model]
             admission = Admission(
                 members,
@@ -310,11 +343,12 @@ class Router:
             pools[spec.model] = Pool(
                 spec.model,
                 members,
-                make_policy(settings.policy, rng, load, settings.affinity),
+                make_policy(settings.policy, rng, load, settings.affinity, index),
                 capacity,
                 RetryBudget(rb.ratio, rb.min_per_s, rb.burst, now),
                 admission,
                 spec.fallback,
+                index,
             )
         tiers = TierMap(settings.tier_ranges(), [(s.model, s.tier) for s in specs])
         return cls(pools, tiers, policy=settings.policy, affinity=settings.affinity, metrics=metrics, clock=clock)
@@ -348,9 +382,12 @@ class Router:
         return Route(self, model, body, prompt_tokens, max_tokens, choice)
 
     def route_request(self, body: dict[str, Any], prompt_tokens: int, max_tokens: int) -> RouteRequest:
-        """The policy's view of a request; prefix keys only when the policy uses them."""
-        keys = prefix_keys(body, self._block_chars, self._max_blocks) if self._wants_keys else ()
-        return RouteRequest(keys, prompt_tokens, max_tokens)
+        """The policy's view of a request; prefix keys only when something uses them."""
+        if not self._wants_keys:
+            return RouteRequest((), prompt_tokens, max_tokens)
+        a = self._affinity
+        keys, ends, chars = prefix_keys(body, a.block_chars, a.max_blocks, a.coarse_block_chars, a.max_prefix_chars)
+        return RouteRequest(keys, prompt_tokens, max_tokens, ends, chars)
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """Tenants' fair-queue weights (start-up and config reload)."""

@@ -28,6 +28,7 @@ def test_defaults() -> None:
     assert s.routing.policy == "prefix_affinity"
     assert s.routing.tier_ranges() == DEFAULT_TIERS
     assert s.routing.capacity.max_requests == 256
+    assert s.routing.capacity.max_prefill_tokens == 4096
     assert s.routing.queue.max_wait_s.for_priority("low") == 2.0
     tenant = s.tenants[0]
     assert (tenant.weight, tenant.priority, tenant.allow_force_tier) == (1.0, "normal", False)
@@ -40,7 +41,7 @@ def test_full_routing_block(tmp_path: Path) -> None:
 routing:
   policy: least_requests
   tiers: [{name: small, min_score: 0, max_score: 0.5}, {name: large, min_score: 0.5, max_score: 1}]
-  affinity: {factor: 2, margin_tokens: 0, spill_ranks: 0, anchor_blocks: 2, block_chars: 128}
+  affinity: {factor: 2, margin_requests: 0, anchor_blocks: 2, block_chars: 128, index_keys: 1000}
   retry_budget: {ratio: 0.1, min_per_s: 0.5, burst: 5}
   queue: {max_queue_length: 8, max_wait_s: {high: 5, normal: 3, low: 1}}
 tenants:

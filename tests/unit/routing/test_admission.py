@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from replicas.replica import Breaker, Replica, ReplicaState
+from replicas.replica import Breaker, Claim, Replica, ReplicaState
 from routing.admission import Admission, Admitted
 from routing.capacity import Capacity
 from routing.fair_queue import FairQueueConfig, Rejected, RejectReason
@@ -236,3 +236,24 @@ async def test_close_refuses_everyone_waiting() -> None:
     adm.close()
     await task
     assert served.outcomes["w"] == Rejected(RejectReason.WAIT_EXCEEDED, 2.0)
+
+
+async def test_a_first_token_lets_the_next_request_in() -> None:
+    """With a prefill bound, the room a streamed request held goes on at its first token."""
+    r = replica("a")
+    adm = Admission(
+        [r],
+        Capacity(max_requests=None, max_prefill_tokens=1000),
+        FairQueueConfig(quantum_tokens=100),
+        clock=Clock(),
+        poll_interval_s=3600,
+    )
+    first = Claim(r, 1500, 10, streamed=True, on_prefilled=adm.notify)
+    assert not adm.ready(0.0)
+    waiter = asyncio.create_task(adm.wait("t", 100, FAR))
+    await settle()
+    assert adm.queued == 1
+    first.prefilled()  # the replica still decodes it, but its prefill is done
+    await settle()
+    assert isinstance(waiter.result(), Admitted)
+    first.release()

@@ -62,3 +62,25 @@ def test_pool_room_skips_unroutable_and_says_none_when_nothing_routable() -> Non
     # nothing routable: not a capacity matter (the proxy answers 503)
     assert free_slots([down], cap, 0.0) is None
     assert has_room([down], cap, 0.0)
+
+
+def test_prefill_backlog_leaves_one_slot_until_the_bound() -> None:
+    cap = Capacity(max_requests=8, max_prefill_tokens=4096, load=LoadModel(tokens_per_request=500))
+    r = replica("a", requests=2)
+    assert cap.slots(r) == 1  # room is handed out one request at a time
+    r.prefill_requests, r.prefill_tokens = 2, 4000
+    assert cap.slots(r) == 1
+    r.prefill_tokens = 4096
+    assert cap.slots(r) == 0
+
+
+def test_prefill_backlog_counts_requests_the_replica_reports_waiting() -> None:
+    cap = Capacity(max_requests=None, max_prefill_tokens=4096, load=LoadModel(tokens_per_request=1000))
+    # 1 of ours before its first token (3,000 tokens) + 2 waiting we did not send (2 x 1,000)
+    r = replica("a", num_requests_waiting=3)
+    r.prefill_requests, r.prefill_tokens = 1, 3000
+    assert cap.prefill_backlog(r) == 5000 and cap.slots(r) == 0
+    # our own waiting requests are not counted twice
+    r.gauges = {"vllm:num_requests_waiting": 1.0}
+    assert cap.prefill_backlog(r) == 3000 and cap.slots(r) == 1
+    assert cap.bounded

@@ -17,8 +17,8 @@ from routing.policies import (
     RoundRobin,
     RouteRequest,
     prefix_keys,
-    rendezvous_rank,
 )
+from routing.prefix_index import PrefixIndex
 
 
 def replica(
@@ -40,7 +40,20 @@ SYSTEM_B = "You answer questions about the Widget API. " * 30
 
 
 def req(system: str, user: str = "hi") -> RouteRequest:
-    return RouteRequest(prefix_keys=prefix_keys(chat(system, user)), prompt_tokens=300, max_tokens=100)
+    keys, ends, chars = prefix_keys(chat(system, user))
+    return RouteRequest(keys, prompt_tokens=300, max_tokens=100, prefix_ends=ends, prompt_chars=chars)
+
+
+def affinity(guard: AffinityGuard | None = None) -> PrefixAffinity:
+    return PrefixAffinity(random.Random(1), PrefixIndex(), guard=guard)
+
+
+def send(policy: PrefixAffinity, rs: list[Replica], request: RouteRequest) -> Replica:
+    """Pick and record the choice in the index, as ``routing.router.Route`` does."""
+    d = policy.pick(rs, request, 0.0)
+    assert d.replica is not None
+    policy.index.record(request.prefix_keys, d.replica.id)
+    return d.replica
 
 
 # --- baselines -------------------------------------------------------------------------
@@ -104,7 +117,7 @@ def test_never_routes_to_draining_failed_or_open_breaker() -> None:
     bad[3].breaker.record_failure(100.0)
     busy = replica("busy", tokens=50_000)
     rng = random.Random(1)
-    for policy in (RoundRobin(), LeastRequests(rng), LeastOutstandingTokens(rng), PrefixAffinity(rng)):
+    for policy in (RoundRobin(), LeastRequests(rng), LeastOutstandingTokens(rng), PrefixAffinity(rng, PrefixIndex())):
         for _ in range(5):
             assert policy.pick([*bad, busy], req(SYSTEM_A), 101.0).replica is busy
         assert policy.pick(bad, req(SYSTEM_A), 101.0).replica is None
@@ -114,83 +127,128 @@ def test_never_routes_to_draining_failed_or_open_breaker() -> None:
 
 
 def test_prefix_keys_are_cumulative_blocks() -> None:
-    long_a = prefix_keys(chat(SYSTEM_A, "question one"), block_chars=64)
-    long_b = prefix_keys(chat(SYSTEM_A, "a different question entirely"), block_chars=64)
-    other = prefix_keys(chat(SYSTEM_B, "question one"), block_chars=64)
+    long_a, ends_a, chars_a = prefix_keys(chat(SYSTEM_A, "question one"), block_chars=64)
+    long_b, _, _ = prefix_keys(chat(SYSTEM_A, "a different question entirely"), block_chars=64)
+    other, _, _ = prefix_keys(chat(SYSTEM_B, "question one"), block_chars=64)
     shared = sum(1 for x, y in zip(long_a, long_b, strict=False) if x == y)
     assert shared >= len(SYSTEM_A) // 64 - 1
     assert long_a[0] != other[0]
-    assert prefix_keys(chat("short", "hi")) == ()  # under one block: no key
+    assert ends_a == tuple(64 * (i + 1) for i in range(len(long_a)))
+    assert chars_a - ends_a[-1] < 64  # the tail shorter than a block has no key
+    assert prefix_keys(chat("short", "hi")) == ((), (), len("system\x1fshort\x1euser\x1fhi\x1e"))
+
+
+def test_prefix_keys_turn_coarse_past_the_fine_blocks() -> None:
+    body = chat("x" * 10_000, "y" * 30_000)
+    keys, ends, chars = prefix_keys(body, block_chars=256, max_blocks=8, coarse_block_chars=4096, max_chars=20_000)
+    assert ends[:8] == tuple(256 * (i + 1) for i in range(8))
+    assert ends[8:] == tuple(2048 + 4096 * (i + 1) for i in range(4))  # 2048 + 4 x 4096 = 18432 <= 20000
+    assert chars == 20_000 and len(keys) == 12
+
+
+def test_uncached_tokens_from_the_matched_depth() -> None:
+    r = RouteRequest((1, 2, 3, 4), prompt_tokens=1000, prefix_ends=(250, 500, 750, 1000), prompt_chars=1000)
+    assert [r.uncached_tokens(d) for d in range(5)] == [1000, 750, 500, 250, 1]  # a full match recomputes one
+    assert RouteRequest(prompt_tokens=80).uncached_tokens(0) == 80
 
 
 def test_affinity_sticks_for_same_prefix() -> None:
     rs = [replica(x) for x in "abcd"]
-    policy = PrefixAffinity(random.Random(1))
+    policy = affinity()
     first = policy.pick(rs, req(SYSTEM_A, "first"), 0.0)
-    assert first.reason == "affinity"
+    assert first.reason == "new_prefix"
+    assert first.replica is not None
+    policy.index.record(req(SYSTEM_A, "first").prefix_keys, first.replica.id)
     for user in ("second", "third question", "and a fourth"):
         d = policy.pick(rs, req(SYSTEM_A, user), 0.0)
         assert d.replica is first.replica and d.reason == "affinity"
 
 
-def test_affinity_moves_when_preferred_is_overloaded_past_guard() -> None:
+def test_new_prefix_goes_to_the_least_loaded() -> None:
+    rs = [replica("a", tokens=900), replica("b", tokens=100), replica("c", tokens=500)]
+    d = affinity().pick(rs, req(SYSTEM_B), 0.0)
+    assert d.replica is rs[1] and d.reason == "new_prefix"
+
+
+def test_a_short_common_opening_is_not_warmth() -> None:
+    """Sharing fewer than anchor_blocks leading blocks does not pull a request to a replica."""
+    rs = [replica("a"), replica("b", tokens=10)]
+    policy = affinity()
+    opening = "You are helpful. " * 20  # ~340 characters: one 256-character block
+    policy.index.record(req(opening + "Topic one. " * 100).prefix_keys, "b")
+    d = policy.pick(rs, req(opening + "Another subject. " * 100), 0.0)
+    assert d.replica is rs[0] and d.reason == "new_prefix"
+
+
+def test_affinity_prefers_the_deepest_match_then_the_least_loaded() -> None:
+    rs = [replica("a", tokens=300), replica("b", tokens=200), replica("c", tokens=100)]
+    policy = affinity()
+    turn1 = req(SYSTEM_A, "first question about invoices " * 20)
+    policy.index.record(turn1.prefix_keys, "a")
+    policy.index.record(req(SYSTEM_A).prefix_keys, "b")
+    policy.index.record(req(SYSTEM_A).prefix_keys, "c")
+    # The next turn extends turn 1's prompt: only a holds all of it.
+    turn2 = req(SYSTEM_A, "first question about invoices " * 20 + "and a follow-up")
+    assert policy.pick(rs, turn2, 0.0).replica is rs[0]
+    # A new conversation on the same system prompt: b and c are as warm as a; c is least loaded.
+    assert policy.pick(rs, req(SYSTEM_A, "something else"), 0.0).replica is rs[2]
+
+
+def test_affinity_moves_when_the_warm_replicas_are_overloaded() -> None:
     rs = [replica(x) for x in "abcd"]
-    guard = AffinityGuard(factor=1.5, margin_tokens=1000, spill_ranks=1)
-    policy = PrefixAffinity(random.Random(1), guard=guard)
-    ranked = rendezvous_rank(req(SYSTEM_A).prefix_keys[3], rs)
-    top, second = ranked[0], ranked[1]
-    # Least loaded is 2000 -> allowed up to 1.5 * 2000 + 1000 = 4000.
+    policy = affinity(AffinityGuard(factor=1.5, margin_requests=2))
+    warm = send(policy, rs, req(SYSTEM_A))
+    # The least busy has 4 requests in flight -> allowed up to 1.5 * 4 + 2 = 8.
     for r in rs:
-        r.outstanding_tokens = 2000
-    top.outstanding_tokens = 4000
-    assert policy.pick(rs, req(SYSTEM_A), 0.0).replica is top  # at the bound: keep affinity
-    top.outstanding_tokens = 4001
+        r.outstanding_requests = 4
+    warm.outstanding_requests = 8
+    assert policy.pick(rs, req(SYSTEM_A), 0.0).replica is warm  # at the bound: keep affinity
+    warm.outstanding_requests = 9
     d = policy.pick(rs, req(SYSTEM_A), 0.0)
-    assert d.replica is second and d.reason == "affinity_spill:1"  # stable second home
-    second.outstanding_tokens = 4001
-    d = policy.pick(rs, req(SYSTEM_A), 0.0)
-    assert d.replica not in (top, second) and d.reason == "affinity_overloaded"
+    assert d.replica is not warm and d.reason == "affinity_overloaded"
+    # Recorded, the overflow replica is warm too: the prefix now has two homes, and the
+    # less busy of them is chosen.
+    assert d.replica is not None
+    policy.index.record(req(SYSTEM_A).prefix_keys, d.replica.id)
+    d2 = policy.pick(rs, req(SYSTEM_A), 0.0)
+    assert d2.replica is d.replica and d2.reason == "affinity"
+
+
+def test_new_prefix_prefers_fewer_sequences_over_fewer_tokens() -> None:
+    """A new prompt's prefill stalls every sequence on its replica: fewer of them wins."""
+    rs = [replica("a", tokens=300, requests=6), replica("b", tokens=2000, requests=1)]
+    d = affinity().pick(rs, req(SYSTEM_B), 0.0)
+    assert d.replica is rs[1] and d.reason == "new_prefix"
 
 
 def test_distinct_prefixes_spread_across_replicas() -> None:
     rs = [replica(x) for x in "abcd"]
-    policy = PrefixAffinity(random.Random(1))
-    counts = {r.id: 0 for r in rs}
+    policy = affinity()
     for i in range(400):
-        d = policy.pick(rs, req(f"Tenant {i} system prompt. " * 40), 0.0)
-        counts[d.replica.id] += 1  # type: ignore[union-attr]
-    # 100 expected each; a binomial(400, 1/4) stays within +-40 with overwhelming odds.
-    assert all(60 <= c <= 140 for c in counts.values()), counts
-
-
-def test_rendezvous_removal_moves_only_the_removed_replicas_prefixes() -> None:
-    rs = [replica(x) for x in "abcde"]
-    keys = [req(f"App {i} prompt. " * 40).prefix_keys[0] for i in range(300)]
-    before = {k: rendezvous_rank(k, rs)[0].id for k in keys}
-    after = {k: rendezvous_rank(k, [r for r in rs if r.id != "c"])[0].id for k in keys}
-    moved = {k for k in keys if before[k] != after[k]}
-    assert moved == {k for k in keys if before[k] == "c"}
-    assert moved  # the removed replica did own some prefixes
+        chosen = send(policy, rs, req(f"Tenant {i} system prompt. " * 40))
+        chosen.outstanding_tokens += 100  # each keeps its load: the least loaded takes the next
+    # New prefixes go to the least loaded, so the load stays even.
+    assert {r.outstanding_tokens for r in rs} == {10_000}
 
 
 def test_short_prompt_goes_to_least_loaded() -> None:
     rs = [replica("a", tokens=500), replica("b", tokens=100)]
-    d = PrefixAffinity(random.Random(1)).pick(rs, RouteRequest(prompt_tokens=3), 0.0)
+    d = affinity().pick(rs, RouteRequest(prompt_tokens=3), 0.0)
     assert d.replica is rs[1] and d.reason == "no_prefix"
 
 
 def test_affinity_respects_exclude_on_retry() -> None:
     rs = [replica(x) for x in "abc"]
-    policy = PrefixAffinity(random.Random(1))
-    first = policy.pick(rs, req(SYSTEM_B), 0.0).replica
-    assert first is not None
-    retry = policy.pick(rs, req(SYSTEM_B), 0.0, exclude={first.id}).replica
-    assert retry is not None and retry is not first
+    policy = affinity()
+    first = send(policy, rs, req(SYSTEM_B))
+    retry = policy.pick(rs, req(SYSTEM_B), 0.0, exclude={first.id})
+    assert retry.replica is not None and retry.replica is not first
 
 
 def test_gauges_feed_the_guard() -> None:
     rs = [replica(x) for x in "ab"]
-    top = rendezvous_rank(req(SYSTEM_A).prefix_keys[3], rs)[0]
-    top.gauges = {GAUGE_WAITING: 20.0, GAUGE_RUNNING: 40.0, GAUGE_KV_USAGE: 0.95}
-    d = PrefixAffinity(random.Random(1), guard=AffinityGuard(spill_ranks=0)).pick(rs, req(SYSTEM_A), 0.0)
-    assert d.replica is not top and d.reason == "affinity_overloaded"
+    policy = affinity()
+    warm = send(policy, rs, req(SYSTEM_A))
+    warm.gauges = {GAUGE_WAITING: 20.0, GAUGE_RUNNING: 40.0, GAUGE_KV_USAGE: 0.95}
+    d = policy.pick(rs, req(SYSTEM_A), 0.0)
+    assert d.replica is not warm and d.reason == "affinity_overloaded"

@@ -10,6 +10,7 @@ from replicas.replica import Breaker, Replica, ReplicaState
 from routing.config import CapacitySettings, RetryBudgetSettings, RoutingSettings
 from routing.metrics import RoutingMetrics
 from routing.policies import LeastRequests, PrefixAffinity, RoundRobin
+from routing.prefix_index import PrefixIndex
 from routing.router import PoolSpec, Router, make_policy
 
 SYSTEM = "You are the support assistant of a large company; answer politely and precisely. " * 20
@@ -45,9 +46,9 @@ def test_policy_names_make_their_policies() -> None:
     from routing.policies import LoadModel
 
     rng, load, aff = random.Random(0), LoadModel(), AffinitySettings()
-    assert isinstance(make_policy("prefix_affinity", rng, load, aff), PrefixAffinity)
-    assert isinstance(make_policy("round_robin", rng, load, aff), RoundRobin)
-    assert isinstance(make_policy("least_requests", rng, load, aff), LeastRequests)
+    assert isinstance(make_policy("prefix_affinity", rng, load, aff, PrefixIndex()), PrefixAffinity)
+    assert isinstance(make_policy("round_robin", rng, load, aff, None), RoundRobin)
+    assert isinstance(make_policy("least_requests", rng, load, aff, None), LeastRequests)
 
 
 def test_round_robin_from_config_cycles() -> None:
@@ -119,13 +120,39 @@ def test_picks_prefer_replicas_with_room() -> None:
     assert route(set()) is not None
 
 
-def test_prefix_keys_only_for_prefix_affinity() -> None:
+def test_prefix_keys_only_where_something_uses_them() -> None:
     rs = {"m": [replica("m", 0)]}
     body = chat("hello", system=SYSTEM)
     affinity, _ = build([PoolSpec("m", "t")], rs)
     assert len(affinity.route_request(body, 100, 10).prefix_keys) > 4
+    # Another policy still hashes for the prefill estimate of the capacity bound...
     tokens, _ = build([PoolSpec("m", "t")], rs, policy="least_outstanding_tokens")
-    assert tokens.route_request(body, 100, 10).prefix_keys == ()
+    assert len(tokens.route_request(body, 100, 10).prefix_keys) > 4
+    # ...and nothing hashes when that bound is off too.
+    unbounded = CapacitySettings(max_prefill_tokens=None)
+    plain, _ = build([PoolSpec("m", "t")], rs, policy="least_outstanding_tokens", capacity=unbounded)
+    assert plain.route_request(body, 100, 10).prefix_keys == ()
+
+
+def test_claims_charge_the_uncached_prompt_and_free_prefill_room_at_the_first_token() -> None:
+    r = replica("m", 0)
+    router, _ = build([PoolSpec("m", "t")], {"m": [r]})
+    body = chat("a first question", system=SYSTEM)
+    first = router.route("m", body, 1000, 10)
+    assert first(set()) is r
+    claim = first.claim(r, streamed=True)
+    assert (r.prefill_requests, r.prefill_tokens, r.outstanding_tokens) == (1, 1000, 1010)  # nothing cached yet
+    claim.prefilled()
+    assert (r.prefill_requests, r.prefill_tokens, r.outstanding_tokens) == (0, 0, 10)
+    claim.release()
+    # Same system prompt again: most of it is cached on r now.
+    second = router.route("m", chat("another question", system=SYSTEM), 1000, 10)
+    assert second(set()) is r
+    claim = second.claim(r, streamed=False)
+    assert r.prefill_requests == 0 and r.prefill_tokens == 0  # not streamed: no first token to wait for
+    assert 10 < r.outstanding_tokens < 200
+    claim.release()
+    assert (r.outstanding_requests, r.outstanding_tokens) == (0, 0)
 
 
 def test_decisions_by_policy_and_reason() -> None:
@@ -133,7 +160,11 @@ def test_decisions_by_policy_and_reason() -> None:
     router, registry = build([PoolSpec("m", "t")], rs)
     route = router.route("m", chat("hello", system=SYSTEM), 500, 10)
     route(set())
-    labels = {"model": "m", "policy": "prefix_affinity", "reason": "affinity"}
+    labels = {"model": "m", "policy": "prefix_affinity", "reason": "new_prefix"}
+    assert registry.get_sample_value("fleetgate_routing_decisions_total", labels) == 1
+    again = router.route("m", chat("hello again", system=SYSTEM), 500, 10)
+    again(set())
+    labels["reason"] = "affinity"
     assert registry.get_sample_value("fleetgate_routing_decisions_total", labels) == 1
     assert registry.get_sample_value("fleetgate_routing_affinity_hits_total", {"model": "m"}) == 1
 
