@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # The selectable policies (the gateway's ``routing.policy``); the default first.
 DEFAULT_POLICY = "prefix_affinity"
 POLICIES = (DEFAULT_POLICY, "least_outstanding_tokens", "least_requests", "round_robin")
+# The baselines stand for a plain load balancer: the policy alone, with no prefill bound
+# holding requests back in the gateway (the fleetgate policies run with the defaults).
+BASELINES = ("least_requests", "round_robin")
 # What a gateway without the ``routing`` key does: least outstanding tokens, its only policy.
 PRE_INTEGRATION_POLICY = "least_outstanding_tokens"
 ADMIN_KEY = "sk-routing-bench-admin"
@@ -134,11 +137,15 @@ def gateway_config(spec: FleetSpec, port: int) -> dict[str, Any]:
             "queue": {"max_wait_s": {k: v / scale for k, v in QUEUE_MAX_WAIT_S.items()}},
         }
         # A replica's capacity as docs/routing.md has operators set it: vLLM's max-num-seqs and
-        # the KV cache size in tokens (what vLLM logs at start-up; here the profile's pool).
-        config["models"][0]["capacity"] = {
+        # the KV cache size in tokens (what vLLM logs at start-up; here the profile's pool);
+        # the prefill bound at its default, except for the baselines.
+        capacity: dict[str, Any] = {
             "max_requests": MAX_NUM_SEQS,
             "max_outstanding_tokens": get_profile(spec.profile).kv_capacity_tokens,
         }
+        if spec.policy in BASELINES:
+            capacity["max_prefill_tokens"] = None
+        config["models"][0]["capacity"] = capacity
     elif spec.policy != PRE_INTEGRATION_POLICY:
         raise ValueError(f"this gateway has no 'routing' key: only {PRE_INTEGRATION_POLICY} can run")
     for key, value in spec.extra.items():

@@ -270,7 +270,12 @@ def _method(res: Results) -> list[str]:
         f"{c['replicas']} managed `engine: sim` replicas, profile `{c['profile']}` (Llama-3.1-8B on an H100-SXM-80GB: "
         "430,592 KV tokens, max_num_seqs 256, 8,192-token chunked prefill, prefix caching; docs/simulator.md). "
         "The policy is the gateway's `routing.policy`; everything else is the gateway's default configuration "
-        "(response cache off for the benchmark tenants, no rate limits). "
+        "(response cache off for the benchmark tenants, no rate limits), with each replica's capacity set as "
+        "docs/routing.md advises: `max_requests: 256` (vLLM's max-num-seqs), `max_outstanding_tokens` = its KV "
+        "pool, and the prefill bound at its default (`max_prefill_tokens: 4096`) for the fleetgate policies. "
+        "The baselines, `least_requests` and `round_robin`, run with no prefill bound "
+        "(`max_prefill_tokens: null`): they stand for a plain load balancer, which sends every request on at "
+        "once; the fleetgate policies' figures include what the bound does. "
         + (
             ""
             if meta.get("routing_key")
@@ -326,12 +331,12 @@ def _method(res: Results) -> list[str]:
             f"- **Fair queue**: both tenants weight 1, so each is entitled to half of the fleet. Nominal capacity on "
             f"`{fair['profile']}` ~{fair['capacity']:g} requests/s; tenant A sends {fair['rate_a']:g}/s (within its "
             f"half), tenant B {fair['rate_b']:g}/s = 10x its half. Per seed, A alone, then A while B floods "
-            "(B started with A's warm-up). The bar compares A's TTFT p95 (seeds pooled). Run on the "
+            "(B started with A's warm-up; a batch job, B never gives up on a request, while A keeps the "
+            "client timeout). The bar compares A's TTFT p95 (seeds pooled). Run on the "
             + ", ".join(f"`{p}`" for p in c.get("fair_policies", [DEFAULT_POLICY]))
             + " fleet only: the queue sits in front of any policy, and a flood on four fleets at once would load "
             "this machine more than the fleets. The gateway's queue settings are its defaults (waits scaled with "
-            "the time scale); each replica's capacity is `max_requests: 256` (vLLM's max-num-seqs) and "
-            "`max_outstanding_tokens` = its KV pool, as docs/routing.md advises."
+            "the time scale), the replicas' capacity as above."
         )
     cpu = meta.get("cpu_s", {})
     lines += [
