@@ -116,7 +116,10 @@ def test_sweep_writes_the_answer_samples_report_and_plots(simulator: str, tmp_pa
     # ~59 tok/s. (Loose bounds: at 10x a 0.1 s stall of a shared CPU reads as a 1 s one.)
     assert eight["metrics"]["total_tps"] > 2 * one["metrics"]["total_tps"]
     assert 0 < eight["metrics"]["per_user_tps"] < 80 and 0 < one["metrics"]["per_user_tps"] < 80
-    assert one["metrics"]["prefix_hit_rate"] > 0  # the shared system line is cached
+    # The shared system line is cached. Read on the second point: the first one starts on a
+    # cold simulator, and on a slow start its short window can hold only cold requests
+    # (it read 0.0 once, on a freshly installed checkout).
+    assert eight["metrics"]["prefix_hit_rate"] > 0
     # 1,000 tok/s per user is out of reach: nothing meets every SLO, and that SLO is named.
     plan = doc["plans"]["sim/closed"]
     assert plan["capacity"] is None and plan["first_failure"] == 1.0
