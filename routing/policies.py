@@ -11,7 +11,7 @@ awaits or reads a clock; the caller passes ``now`` and each policy owns its
 - ``PrefixAffinity`` (the default) sends a request where its prefix was sent before
   (``routing.prefix_index``), so the replica's prefix cache spares most of its prefill, and
   gives up that affinity when the warm replicas' load gets out of line; a prefix seen
-  nowhere goes to the least loaded replica.
+  nowhere goes to the least busy replica.
 
 A replica that is draining, down, failed or circuit-open is never chosen
 (``Replica.routable(now)``), nor one in ``exclude`` (already tried for this request).
