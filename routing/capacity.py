@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from replicas.replica import Replica
-from routing.policies import GAUGE_RUNNING, GAUGE_WAITING, LoadModel
+from routing.policies import GAUGE_WAITING, LoadModel
 
 # "No bound": more slots than any pool will ever be asked for.
 UNBOUNDED = 1 << 30
@@ -68,13 +68,7 @@ class Capacity:
         """Requests ``replica`` can still take before it is at capacity (0: full)."""
         free = UNBOUNDED
         if self.max_requests is not None:
-            used = replica.outstanding_requests
-            gauges = replica.gauges
-            if gauges:
-                seen = gauges.get(GAUGE_RUNNING, 0.0) + gauges.get(GAUGE_WAITING, 0.0)
-                if seen > used:
-                    used = int(seen)
-            free = self.max_requests - used
+            free = self.max_requests - int(self.load.requests(replica))
             if free <= 0:
                 return 0
         if self.max_outstanding_tokens is not None:
