@@ -405,6 +405,15 @@ def write_report(doc: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
     return [md, *images]
 
 
+def _rate_axes(ax: Any, title: str, ylabel: str) -> None:
+    """Title, labels, grid and legend of a panel plotted against the arrival rate."""
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("arrival rate (/s)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def plot(doc: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
     """Goodput, TTFT and cache/balance against rate, per workload; the fair-queue comparison."""
     import matplotlib
@@ -436,11 +445,7 @@ def plot(doc: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
             ax.errorbar(rates, med, yerr=err, marker="o", ms=3, capsize=3, color=colours[policy], label=policy)
             thr = [(res.pooled(exp["key"], policy, r) or {}).get("throughput") for r in rates]
             ax.plot(rates, thr, linestyle=":", color=colours[policy], alpha=0.6)
-        ax.set_title(exp["title"], fontsize=9)
-        ax.set_xlabel("arrival rate (/s)")
-        ax.set_ylabel("goodput, req/s (dotted: throughput)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        _rate_axes(ax, exp["title"], "goodput, req/s (dotted: throughput)")
     save(fig, "goodput")
 
     fig, axes = plt.subplots(1, len(exps), figsize=(4.6 * len(exps), 4.0), squeeze=False)
@@ -454,11 +459,9 @@ def plot(doc: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
             ax.plot(rates, [m.get(p50) for m in ms], linestyle="--", color=colours[policy], alpha=0.7)
         ax.axhline(TTFT_SLO_S, color="red", linestyle=":", linewidth=1)
         ax.set_yscale("log")
-        ax.set_title(exp["title"] + (" (short requests)" if exp.get("background") else ""), fontsize=9)
-        ax.set_xlabel("arrival rate (/s)")
-        ax.set_ylabel("TTFT s (solid p99, dashed p50)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        _rate_axes(
+            ax, exp["title"] + (" (short requests)" if exp.get("background") else ""), "TTFT s (solid p99, dashed p50)"
+        )
     save(fig, "ttft")
 
     fig, axes = plt.subplots(2, len(exps), figsize=(4.6 * len(exps), 7.0), squeeze=False)
