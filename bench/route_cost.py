@@ -26,10 +26,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from prometheus_client import CollectorRegistry
 
-from replicas.replica import Breaker, Replica, ReplicaState
+from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Breaker, Replica, ReplicaState
 from routing.config import RoutingSettings
 from routing.metrics import RoutingMetrics
-from routing.policies import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING
 from routing.router import PoolSpec, Router
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
@@ -41,7 +40,7 @@ def fleet(n: int = 8) -> list[Replica]:
     for i in range(n):
         r = Replica(f"r{i}", f"http://r{i}", MODEL, "medium", MODEL, False, Breaker(5, 10.0))
         r.state = ReplicaState.HEALTHY
-        r.gauges = {GAUGE_RUNNING: 3.0 + i % 3, GAUGE_WAITING: 0.0, GAUGE_KV_USAGE: 0.4}
+        r.observe({GAUGE_RUNNING: 3.0 + i % 3, GAUGE_WAITING: 0.0, GAUGE_KV_USAGE: 0.4})
         replicas.append(r)
     return replicas
 

@@ -14,16 +14,16 @@ from collections.abc import Callable, Iterable
 
 import aiohttp
 
-from replicas.replica import Replica, ReplicaState
+from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Replica, ReplicaState
 
 log = logging.getLogger("fleetgate.health")
 
 # vLLM metric names kept from each scrape (current vLLM; `gpu_cache_usage_perc` is gone).
 SCRAPED = frozenset(
     {
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:kv_cache_usage_perc",
+        GAUGE_RUNNING,
+        GAUGE_WAITING,
+        GAUGE_KV_USAGE,
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
         "vllm:num_preemptions_total",
@@ -79,7 +79,7 @@ class HealthChecker:
                     ok = resp.status == 200
                     text = await resp.text()
                 if ok:
-                    replica.gauges = parse_vllm_metrics(text)
+                    replica.observe(parse_vllm_metrics(text))
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             ok = False
         self._apply(replica, ok)

@@ -18,6 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# vLLM gauges the gateway reads (names as exposed by current vLLM).
+GAUGE_RUNNING = "vllm:num_requests_running"
+GAUGE_WAITING = "vllm:num_requests_waiting"
+GAUGE_KV_USAGE = "vllm:kv_cache_usage_perc"
+
 
 class ReplicaState(StrEnum):
     STARTING = "starting"
@@ -76,13 +81,36 @@ class Replica:
     # prompt tokens the replica must still compute (estimated: cached prefixes excluded).
     prefill_requests: int = 0
     prefill_tokens: int = 0
-    # Last values scraped from the replica's /metrics (vLLM metric name -> value).
+    # Last values scraped from the replica's /metrics (vLLM metric name -> value), set by
+    # ``observe``, and what they held beyond this gateway's own requests at that moment.
     gauges: dict[str, float] = field(default_factory=dict)
+    foreign_requests: float = 0.0
+    foreign_waiting: float = 0.0
     consecutive_probe_failures: int = 0
     probe_failures: int = 0
     restarts: int = 0
     # The process id of a managed replica (None for external ones).
     pid: int | None = None
+
+    def observe(self, gauges: dict[str, float]) -> None:
+        """Take a scrape of the replica's /metrics.
+
+        Work the replica reports beyond this gateway's own (other gateway pods') is counted
+        against this gateway's requests *now*, at the scrape, and kept until the next one.
+        Counted later, against the current own count, a request of ours that finished since
+        the scrape would pass for another pod's: every replica that just finished work
+        would look busy for up to a health interval, and the policies would steer away
+        from exactly the replicas that have room.
+        """
+        self.gauges = gauges
+        running = gauges.get(GAUGE_RUNNING)
+        waiting = gauges.get(GAUGE_WAITING, 0.0)
+        if running is None:
+            self.foreign_requests = self.foreign_waiting = 0.0
+            return
+        self.foreign_requests = max(0.0, running + waiting - self.outstanding_requests)
+        # Our streamed requests not yet prefilled are the ones of ours that can be waiting.
+        self.foreign_waiting = max(0.0, waiting - self.prefill_requests)
 
     def routable(self, now: float) -> bool:
         return self.state is ReplicaState.HEALTHY and self.breaker.allows(now)
@@ -99,6 +127,8 @@ class Replica:
             "outstanding_requests": self.outstanding_requests,
             "outstanding_tokens": self.outstanding_tokens,
             "prefill_tokens": self.prefill_tokens,
+            "foreign_requests": self.foreign_requests,
+            "foreign_waiting": self.foreign_waiting,
             "restarts": self.restarts,
             "pid": self.pid,
             "gauges": dict(self.gauges),

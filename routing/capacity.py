@@ -5,13 +5,13 @@ new requests itself, first come first served, whoever sent them: one tenant's fl
 delays everyone. The gateway holds requests back instead, in its fair queue, once every
 replica of a pool is at capacity. Capacity is counted in request slots:
 
-- requests: ``max_requests - max(own, running + waiting)``. ``own`` is this gateway's
-  in-flight requests on the replica; the scraped gauges add what other gateway pods sent
-  (they include our own requests as of the last scrape, hence the ``max``).
+- requests: ``max_requests - (own + foreign)``. ``own`` is this gateway's in-flight
+  requests on the replica; ``foreign`` what the last scrape showed beyond our own at that
+  moment, i.e. what other gateway pods sent (``Replica.observe``).
 - prefill, when ``max_prefill_tokens`` is set: a replica whose prefill backlog is at or
   past it is full, otherwise it has one slot. The backlog is this gateway's streamed
   requests still waiting for their first token (their uncached prompt tokens) plus a
-  typical request's tokens for each request the replica reports waiting that is not ours.
+  typical request's tokens for each request the replica reported waiting that is not ours.
   vLLM prefills first come first served, so a request sent to a replica behind a backlog
   of B tokens gets its first token no sooner than B tokens of prefill later: bounding B
   (by default to half a step of vLLM's 8,192-token chunked prefill) bounds that wait,
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from replicas.replica import Replica
-from routing.policies import GAUGE_WAITING, LoadModel
+from routing.policies import LoadModel
 
 # "No bound": more slots than any pool will ever be asked for.
 UNBOUNDED = 1 << 30
@@ -58,11 +58,7 @@ class Capacity:
 
     def prefill_backlog(self, replica: Replica) -> float:
         """Prompt tokens ``replica`` must compute before a request sent now starts its own prefill."""
-        backlog = float(replica.prefill_tokens)
-        waiting = replica.gauges.get(GAUGE_WAITING, 0.0) if replica.gauges else 0.0
-        if waiting > replica.prefill_requests:
-            backlog += self.load.tokens_per_request * (waiting - replica.prefill_requests)
-        return backlog
+        return replica.prefill_tokens + self.load.tokens_per_request * replica.foreign_waiting
 
     def slots(self, replica: Replica) -> int:
         """Requests ``replica`` can still take before it is at capacity (0: full)."""

@@ -25,13 +25,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from replicas.replica import Replica
+from replicas.replica import GAUGE_KV_USAGE, Replica
 from routing.prefix_index import PrefixIndex
-
-# vLLM gauges this module reads (names as exposed by current vLLM).
-GAUGE_RUNNING = "vllm:num_requests_running"
-GAUGE_WAITING = "vllm:num_requests_waiting"
-GAUGE_KV_USAGE = "vllm:kv_cache_usage_perc"
 
 # Prefix blocks: 256 characters is ~64 tokens, i.e. four of vLLM's default 16-token KV
 # blocks, so a matching block stands for KV the replica can actually reuse.
@@ -88,14 +83,15 @@ class Policy(Protocol):
 class LoadModel:
     """How scraped vLLM gauges correct this gateway's own view of a replica's load.
 
-    ``effective_load = own_tokens + tokens_per_request * (foreign + waiting) + kv_term``
+    ``effective_load = own_tokens + tokens_per_request * (foreign + foreign_waiting) + kv_term``
 
     - ``own_tokens``: prompt not yet prefilled + completion still owed, for this pod's requests.
-    - ``foreign = max(0, running + waiting - own_requests)``: requests the replica holds
-      that this pod did not send (other gateway pods). Each is charged a typical
-      request's tokens, since their sizes are unknown here.
-    - ``waiting`` is charged once more: a queued request means the replica's batch is
-      full, so new work waits behind it rather than sharing a decode step.
+    - ``foreign``: requests the replica held at the last scrape beyond this pod's own at
+      that moment (``Replica.observe``): work from other gateway pods. Each is charged a
+      typical request's tokens, since their sizes are unknown here.
+    - ``foreign_waiting``, those of them still waiting, is charged once more: a queued
+      request means the replica's batch is full, so new work waits behind it rather than
+      sharing a decode step. (This pod's own waiting requests are in ``own_tokens``.)
     - ``kv_term = kv_full_tokens * max(0, kv - kv_knee) / (1 - kv_knee)``: past the knee
       new sequences start to preempt running ones; the penalty grows linearly to
       ``kv_full_tokens`` at a full cache. Below the knee KV usage says nothing useful
@@ -110,22 +106,13 @@ class LoadModel:
     kv_full_tokens: int = 8192
 
     def requests(self, replica: Replica) -> float:
-        """Requests in flight on ``replica``: this pod's, plus those it reports that are not ours."""
-        own = replica.outstanding_requests
-        gauges = replica.gauges
-        if not gauges:
-            return own
-        seen = gauges.get(GAUGE_RUNNING, 0.0) + gauges.get(GAUGE_WAITING, 0.0)
-        return seen if seen > own else own
+        """Requests in flight on ``replica``: this pod's, plus those it reported that are not ours."""
+        return replica.outstanding_requests + replica.foreign_requests
 
     def effective_load(self, replica: Replica) -> float:
-        gauges = replica.gauges
-        own = replica.outstanding_requests
-        waiting = gauges.get(GAUGE_WAITING, 0.0)
-        running = gauges.get(GAUGE_RUNNING, float(own))
-        foreign = max(0.0, running + waiting - own)
-        load = replica.outstanding_tokens + self.tokens_per_request * (foreign + waiting)
-        kv = gauges.get(GAUGE_KV_USAGE, 0.0)
+        foreign = replica.foreign_requests + replica.foreign_waiting
+        load = replica.outstanding_tokens + self.tokens_per_request * foreign
+        kv = replica.gauges.get(GAUGE_KV_USAGE, 0.0)
         if kv > self.kv_knee:
             load += self.kv_full_tokens * min(1.0, (kv - self.kv_knee) / (1.0 - self.kv_knee))
         return load

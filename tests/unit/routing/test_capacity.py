@@ -13,7 +13,7 @@ def replica(
     r = Replica(rid, f"http://{rid}", "m", "default", "m", False, Breaker(2, 10.0), state=state)
     r.outstanding_requests = requests
     r.outstanding_tokens = tokens
-    r.gauges = {f"vllm:{k}": v for k, v in gauges.items()}
+    r.observe({f"vllm:{k}": v for k, v in gauges.items()})
     return r
 
 
@@ -77,10 +77,11 @@ def test_prefill_backlog_leaves_one_slot_until_the_bound() -> None:
 def test_prefill_backlog_counts_requests_the_replica_reports_waiting() -> None:
     cap = Capacity(max_requests=None, max_prefill_tokens=4096, load=LoadModel(tokens_per_request=1000))
     # 1 of ours before its first token (3,000 tokens) + 2 waiting we did not send (2 x 1,000)
-    r = replica("a", num_requests_waiting=3)
+    r = replica("a")
     r.prefill_requests, r.prefill_tokens = 1, 3000
+    r.observe({"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 3.0})
     assert cap.prefill_backlog(r) == 5000 and cap.slots(r) == 0
     # our own waiting requests are not counted twice
-    r.gauges = {"vllm:num_requests_waiting": 1.0}
+    r.observe({"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 1.0})
     assert cap.prefill_backlog(r) == 3000 and cap.slots(r) == 1
     assert cap.bounded

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import random
 
-from replicas.replica import Breaker, Replica, ReplicaState
+from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Breaker, Replica, ReplicaState
 from routing.policies import (
-    GAUGE_KV_USAGE,
-    GAUGE_RUNNING,
-    GAUGE_WAITING,
     AffinityGuard,
     LeastOutstandingTokens,
     LeastRequests,
@@ -27,7 +24,7 @@ def replica(
     r = Replica(rid, f"http://{rid}", "m", "default", "m", False, Breaker(2, 10.0), state=state)
     r.outstanding_tokens = tokens
     r.outstanding_requests = requests
-    r.gauges = {f"vllm:{k}": v for k, v in gauges.items()}
+    r.observe({f"vllm:{k}": v for k, v in gauges.items()})
     return r
 
 
@@ -90,6 +87,19 @@ def test_effective_load_formula() -> None:
     assert model.effective_load(replica("b", tokens=700, requests=1)) == 700
     # Gauges lag: fewer requests reported than ours in flight never subtracts load.
     assert model.effective_load(replica("c", tokens=700, requests=4, num_requests_running=1)) == 700
+
+
+def test_other_pods_work_is_counted_as_of_the_scrape() -> None:
+    model = LoadModel(tokens_per_request=500)
+    r = replica("a", requests=2)
+    r.observe({GAUGE_RUNNING: 6.0, GAUGE_WAITING: 0.0})  # 4 of the 6 are another pod's
+    assert model.requests(r) == 6
+    # Our two finish before the next scrape: the replica is not left looking busy with them.
+    r.outstanding_requests = 0
+    assert model.requests(r) == 4 and model.effective_load(r) == 4 * 500
+    # We send three more: they add to the other pod's four, not hide behind them.
+    r.outstanding_requests = 3
+    assert model.requests(r) == 7
 
 
 def test_least_tokens_sees_other_pods_work() -> None:
@@ -249,6 +259,6 @@ def test_gauges_feed_the_guard() -> None:
     rs = [replica(x) for x in "ab"]
     policy = affinity()
     warm = send(policy, rs, req(SYSTEM_A))
-    warm.gauges = {GAUGE_WAITING: 20.0, GAUGE_RUNNING: 40.0, GAUGE_KV_USAGE: 0.95}
+    warm.observe({GAUGE_WAITING: 20.0, GAUGE_RUNNING: 40.0, GAUGE_KV_USAGE: 0.95})
     d = policy.pick(rs, req(SYSTEM_A), 0.0)
     assert d.replica is not warm and d.reason == "affinity_overloaded"
