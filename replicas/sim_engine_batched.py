@@ -6,6 +6,12 @@ each produced token to its request's stream. It sleeps on an event when idle, so
 engine costs nothing. Deadlines are absolute, so the Python cost of a step does not add up
 as drift; if the loop falls behind it starts the next step at once rather than bursting.
 
+The running and waiting gauges are vLLM's: the scheduler's queues as each step left them,
+published when the step ends (vLLM's engine core records them with every step's output, and
+a request that arrives during a step joins the scheduler only after it). A request that
+arrives mid-step is therefore not reported waiting: waiting means passed over by the last
+scheduling decision, for want of KV blocks, token budget or ``max_num_seqs``.
+
     engine = BatchedSimEngine.from_profile("h100-llama-3.1-8b", seed=0, time_scale=1.0)
     stream = engine.submit(SimRequest("r1", prompt, max_tokens=200))
     async for piece in stream: ...
@@ -20,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
+from replicas.replica import GAUGE_RUNNING, GAUGE_WAITING
 from replicas.sim_engine import SimRequest, SimStream
 from replicas.sim_model import EngineModel, TokenEvent, prompt_token_ids
 from replicas.sim_profiles import SimProfile, get_profile
@@ -112,6 +119,8 @@ class BatchedSimEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        # (running, waiting) as the last finished step left them: what the gauges report.
+        self._reported = (0, 0)
         # Self-measurement: steps run, Python seconds spent per step, worst lateness.
         self.steps_run = 0
         self.step_cpu_s = 0.0
@@ -149,7 +158,9 @@ class BatchedSimEngine:
         return stream
 
     def gauges(self) -> dict[str, float]:
-        return self.model.metrics()
+        gauges = self.model.metrics()
+        gauges[GAUGE_RUNNING], gauges[GAUGE_WAITING] = float(self._reported[0]), float(self._reported[1])
+        return gauges
 
     async def close(self) -> None:
         """Stop the step loop and end every open stream with ``abort``. Idempotent."""
@@ -172,6 +183,8 @@ class BatchedSimEngine:
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self.model.abort(request_id)
+        if not self.model.has_work:  # no next step will publish it
+            self._reported = (0, 0)
 
     def _end_all(self) -> None:
         streams, self._streams = self._streams, {}
@@ -185,18 +198,21 @@ class BatchedSimEngine:
         try:
             while True:
                 if not self.model.has_work:
+                    self._reported = (0, 0)  # an abort during the last step left it stale
                     self._wake.clear()
                     await self._wake.wait()
                     deadline = loop.time()
                     continue
                 started = time.perf_counter()
                 result = self.model.step()
+                after_step = (self.model.num_running, self.model.num_waiting)
                 now = loop.time()
                 self.max_lag_s = max(self.max_lag_s, now - deadline)
                 deadline = max(deadline, now) + result.duration_s / self.time_scale
                 self.step_cpu_s += time.perf_counter() - started
                 await asyncio.sleep(max(0.0, deadline - loop.time()))
                 started = time.perf_counter()
+                self._reported = after_step
                 self._deliver(result.events)
                 self.steps_run += 1
                 self.step_cpu_s += time.perf_counter() - started

@@ -27,6 +27,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from replicas.replica import GAUGE_RUNNING, GAUGE_WAITING
 from replicas.sim_engine import CHARS_PER_TOKEN
 from replicas.sim_profiles import SimProfile
 
@@ -229,8 +230,8 @@ class EngineModel:
         """The engine's state under vLLM's metric names."""
         c = self.counters
         return {
-            "vllm:num_requests_running": float(len(self._running)),
-            "vllm:num_requests_waiting": float(len(self._waiting)),
+            GAUGE_RUNNING: float(len(self._running)),
+            GAUGE_WAITING: float(len(self._waiting)),
             "vllm:kv_cache_usage_perc": self.pool.usage,
             "vllm:prefix_cache_queries_total": float(c.prefix_cache_queries_total),
             "vllm:prefix_cache_hits_total": float(c.prefix_cache_hits_total),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -15,6 +16,13 @@ FAST = 1000.0  # a 17 ms step takes 17 us
 
 async def collect(stream: SimStream) -> list[str]:
     return [piece async for piece in stream]
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll ``condition`` every millisecond (the engine has no event for it)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
 
 
 async def test_tokens_arrive_with_usage_and_finish_reason() -> None:
@@ -125,4 +133,43 @@ async def test_a_prompt_over_the_context_window_is_refused() -> None:
     engine = BatchedSimEngine.from_profile("rtx3060-llama-2-7b-gptq", seed=1, time_scale=FAST)
     with pytest.raises(ValueError, match="maximum context length is 4096"):
         engine.submit(SimRequest("a", "x" * 4 * 4096, max_tokens=1))
+    await engine.close()
+
+
+async def test_gauges_report_the_queues_as_the_last_step_left_them() -> None:
+    """As in vLLM, a request that arrives during a step is not reported waiting: it joins the
+    scheduler after the step, and the gauges move when a step ends."""
+    engine = BatchedSimEngine.from_profile(QWEN, seed=1, time_scale=1.0)  # real time: a 2k prefill ~1 s
+    first = engine.submit(SimRequest("a", "x" * 8000, max_tokens=3))
+    await until(lambda: engine.model.num_running == 1)  # its prefill step has started
+    second = engine.submit(SimRequest("b", "short question", max_tokens=3))
+    await until(lambda: engine.model.num_waiting == 1)  # past the API-server latency, in the scheduler
+
+    def reported() -> tuple[float, float]:
+        gauges = engine.gauges()
+        return gauges["vllm:num_requests_running"], gauges["vllm:num_requests_waiting"]
+
+    assert reported() == (0.0, 0.0)  # the first step has not ended
+    a, b = aiter(first), aiter(second)
+    await anext(a)  # the prefill step ended: "a" running; "b" arrived during it, not reported
+    assert reported() == (1.0, 0.0)
+    await anext(b)  # the next step took "b" in
+    assert reported() == (2.0, 0.0)
+    assert len([p async for p in a]) == 2 and len([p async for p in b]) == 2
+    assert reported() == (0.0, 0.0)
+    await engine.close()
+
+
+async def test_gauges_empty_after_the_last_request_is_cancelled_during_its_step() -> None:
+    engine = BatchedSimEngine.from_profile(QWEN, seed=1, time_scale=1.0)
+    stream = engine.submit(SimRequest("a", "x" * 4000, max_tokens=50))
+    pieces = aiter(stream)
+    await anext(pieces)  # prefilled: reported running
+    assert engine.gauges()["vllm:num_requests_running"] == 1.0
+    await until(lambda: engine.steps_run >= 3)
+    stream.cancel()  # mid-step: the step's own report, published after it, still counts it
+    await until(lambda: engine.steps_run >= 4 or not engine.model.has_work)
+    await asyncio.sleep(0.2)  # past the end of the step that was running
+    gauges = engine.gauges()
+    assert (gauges["vllm:num_requests_running"], gauges["vllm:num_requests_waiting"]) == (0.0, 0.0)
     await engine.close()
