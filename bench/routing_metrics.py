@@ -133,16 +133,23 @@ def point_summary(
 
 
 def request_metrics(samples: Sequence[RequestSample], window_s: float) -> Metrics:
-    """Goodput, SLO attainment, completion, and TTFT per user class (``ttft_p99.<class>``)."""
+    """Goodput, SLO attainment, completion, why requests missed, and TTFT per user class (``ttft_p99.<class>``).
+
+    ``ttft_miss``: share of requests that completed with a first token later than the TTFT
+    SLO; ``itl_miss``: share that met it but whose own inter-token p95 missed the ITL SLO.
+    """
     n = len(samples)
     good = sum(1 for s in samples if is_good(s))
     completed = sum(1 for s in samples if s.error is None)
     ok = [s for s in samples if s.error is None]
+    late = sum(1 for s in ok if s.ttft_s is None or s.ttft_s > TTFT_SLO_S)
     out: Metrics = {
         "goodput": good / window_s if window_s > 0 else None,
         "throughput": completed / window_s if window_s > 0 else None,
         "attainment": good / n if n else None,
         "completion": completed / n if n else None,
+        "ttft_miss": late / n if n else None,
+        "itl_miss": (len(ok) - late - good) / n if n else None,
     }
     for name in sorted({s.user_class for s in ok}):
         ttft = [s.ttft_s for s in ok if s.user_class == name and s.ttft_s is not None]

@@ -312,7 +312,10 @@ def _method(res: Results) -> list[str]:
         f"- **Imbalance**: each replica's running + waiting requests (`vllm:num_requests_*`), read every "
         f"{0.5 * scale:.2g} s (real-time-equivalent) during the window and averaged; the busiest replica's average "
         "over the fleet's mean (1.00 = even). **Idle while queued**: the share of those readings in which one "
-        "replica had nothing running or waiting while another had requests waiting.",
+        "replica had nothing running or waiting while another had requests waiting. Waiting as vLLM reports it: "
+        "requests the replica's last scheduling decision passed over (no KV blocks, token budget or sequence "
+        "slot left), as that step left them; a request that arrived during a step is not waiting until a "
+        "decision passes it over (docs/simulator.md).",
     ]
     for e in c["experiments"]:
         rates = ", ".join(f"{r:g}" for r in e["rates"])
@@ -332,7 +335,8 @@ def _method(res: Results) -> list[str]:
             f"`{fair['profile']}` ~{fair['capacity']:g} requests/s; tenant A sends {fair['rate_a']:g}/s (within its "
             f"half), tenant B {fair['rate_b']:g}/s = 10x its half. Per seed, A alone, then A while B floods "
             "(B started with A's warm-up; a batch job, B never gives up on a request, while A keeps the "
-            "client timeout). The bar compares A's TTFT p95 (seeds pooled). Run on the "
+            f"client timeout); A's window is {fair.get('duration_s') or c['timing']['duration_s']:g} s. "
+            "The bar compares A's TTFT p95 (seeds pooled). Run on the "
             + ", ".join(f"`{p}`" for p in c.get("fair_policies", [DEFAULT_POLICY]))
             + " fleet only: the queue sits in front of any policy, and a flood on four fleets at once would load "
             "this machine more than the fleets. The gateway's queue settings are its defaults (waits scaled with "

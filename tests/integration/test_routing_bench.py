@@ -15,7 +15,7 @@ import pytest
 
 from bench.routing import BenchConfig, Experiment, FairPlan, Timing, run_config, write_outputs
 from bench.routing_fleet import POLICIES, runnable_policies
-from bench.routing_metrics import FleetReading, is_good, read_fleet
+from bench.routing_metrics import FleetReading, is_good, read_fleet, request_metrics
 from bench.stats import RequestSample
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,6 +88,10 @@ def test_a_good_request_meets_both_slos_itself() -> None:
     stalled = RequestSample(0, "c", 0, 0, 0.0, ttft_s=0.5, gaps=[0.02] * 37 + [0.3] * 3)
     failed = RequestSample(0, "c", 0, 0, 0.0, ttft_s=0.5, gaps=[0.02] * 40, error="timeout")
     assert [is_good(s) for s in (fast, slow_start, stalled, failed)] == [True, False, False, False]
+    # Each miss is counted once, under its first reason; the failed request under neither.
+    metrics = request_metrics([fast, slow_start, stalled, failed], window_s=2.0)
+    assert (metrics["goodput"], metrics["attainment"]) == (0.5, 0.25)
+    assert (metrics["ttft_miss"], metrics["itl_miss"], metrics["completion"]) == (0.25, 0.25, 0.75)
 
 
 def test_fleet_reading_deltas_balance_and_idle_while_queued() -> None:
