@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache.vector_index import SearchHit, VectorIndex
+from cache.vector_index import SearchHit, VectorIndex, nearest_rows
 
 
 def unit(*values: float) -> np.ndarray:
@@ -109,3 +109,21 @@ def test_sketch_shortlist_finds_the_same_neighbours_as_an_exact_scan() -> None:
         got = sketched.search("s", query, k=3)
         assert got[0].key == want[0].key == str(i)
         assert got[0].score == pytest.approx(want[0].score, abs=1e-6)
+
+
+def test_nearest_rows_takes_the_smallest_distances_ties_by_row_order() -> None:
+    distance = np.array([5, 1, 3, 1, 3, 0, 3, 7], dtype=np.uint16)
+    # 0 (row 5), 1 (rows 1, 3), then two of the three 3s: rows 2 and 4, the first ones.
+    assert sorted(nearest_rows(distance, 5, max_distance=8).tolist()) == [1, 2, 3, 4, 5]
+    assert sorted(nearest_rows(distance, 3, max_distance=8).tolist()) == [1, 3, 5]
+    assert sorted(nearest_rows(distance, 8, max_distance=8).tolist()) == list(range(8))
+    assert sorted(nearest_rows(distance, 20, max_distance=8).tolist()) == list(range(8))
+
+
+def test_nearest_rows_picks_the_distances_argpartition_picks() -> None:
+    rng = np.random.default_rng(3)
+    for size, count in ((1000, 128), (5000, 64), (300, 299)):
+        distance = rng.integers(0, 385, size=size).astype(np.uint16)
+        rows = nearest_rows(distance, count, max_distance=384)
+        assert len(rows) == count == len(set(rows.tolist()))
+        assert sorted(distance[rows].tolist()) == sorted(distance[np.argpartition(distance, count)[:count]].tolist())
