@@ -27,8 +27,9 @@ process's CPU time per lookup and the machine's load while each phase ran.
 
 ``--variants`` (on by default) also times the model itself on the same texts, taking
 turns: through ``SentenceTransformer.encode`` in float32 (the embedder's previous path),
-through the embedder's direct path in float32 and bfloat16, and int8 dynamic quantisation
-of the linear layers; and how far their vectors drift from the float32 ones: what a faster
+through the embedder's direct path in float32 and bfloat16, the direct path in bfloat16 as
+it was before prepacked weights and the lean forward of a lone text (the same vectors), and
+int8 dynamic quantisation of the linear layers; and how far their vectors drift from the float32 ones: what a faster
 embedder costs in agreement with the vectors the verifier was trained on. The batch sizes
 the embedder ran in each phase come from ``fleetgate_cache_embed_batch_size``. Writes
 ``bench/results/cache-speed.md``.
@@ -69,6 +70,7 @@ from cache.config import (  # noqa: E402
     SemanticCacheSettings,
     SemanticServiceSettings,
 )
+from cache.embed_model import unpack_linear_weights  # noqa: E402
 from cache.embedder import SentenceTransformerEmbedder  # noqa: E402
 from cache.entry import CachedCompletion  # noqa: E402
 from cache.keys import exact_key, semantic_query, split_key  # noqa: E402
@@ -247,6 +249,8 @@ async def components(cache: ResponseCache, texts: list[str]) -> dict[str, tuple[
 
 
 EncodeCall = Callable[[list[str]], Awaitable[np.ndarray]]
+# The default before prepacked weights and the lean forward of a lone text: same vectors.
+PLAIN_BFLOAT16 = "plain bfloat16, direct (no prepacked weights, transformers' forward)"
 # Texts each variant embeds alone (taking turns), and the batch size of the batched pass.
 VARIANT_LONE = 150
 VARIANT_BATCH = 32
@@ -287,12 +291,16 @@ async def embedder_variants(texts: list[str]) -> list[dict[str, Any]]:
             precision: await stack.enter_async_context(SentenceTransformerEmbedder(precision=precision, max_wait_s=0))
             for precision in PRECISIONS
         }
+        plain = await stack.enter_async_context(SentenceTransformerEmbedder(max_wait_s=0))
+        unpack_linear_weights(plain._model[0].auto_model)
+        plain._encoder.lean = None  # type: ignore[union-attr]  # the previous default, for comparison
         variants: dict[str, EncodeCall] = {
             "float32, encode (the previous path)": through_encode(model),
             **{
                 f"{precision}, direct{' (default)' if precision == DEFAULT_PRECISION else ''}": embedder.embed
                 for precision, embedder in direct.items()
             },
+            PLAIN_BFLOAT16: plain.embed,
             "int8 dynamic (linear layers), encode": through_encode(int8),
         }
         return await _time_variants(variants, texts)
@@ -365,7 +373,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             loaded = len(semantic.index)
             embedder = semantic.embedder
             assert isinstance(embedder, SentenceTransformerEmbedder)
-            model = f"{embedder.precision}, {embedder.path} path"
+            model = (
+                f"{embedder.precision}, {embedder.path} path"
+                + (", prepacked weights" if embedder.packed else "")
+                + (", lean forward for lone texts" if embedder.lean else "")
+            )
             print(f"gateway cache started in {start_s:.1f} s with {loaded:,} entries", flush=True)
             taken = 0
             await closed_loop(cache, queries[:WARMUP], 1)
@@ -591,14 +603,17 @@ def _levers(variants: list[dict[str, Any]]) -> list[str]:
     """What made the model cheaper in this run's table, and what would go further."""
     previous, direct32 = _variant(variants, "float32, encode"), _variant(variants, "float32, direct")
     bf16, int8 = _variant(variants, "bfloat16, direct"), _variant(variants, "int8")
-    if not (previous and direct32 and bf16 and int8):
+    plain = _variant(variants, PLAIN_BFLOAT16)
+    if not (previous and direct32 and bf16 and int8 and plain):
         return []
     return [
         "- **Where the model's cost went**, from the table above: calling the tokenizer and transformer directly "
         f"took a lone text from {previous['single_cpu_ms']:.1f} to {direct32['single_cpu_ms']:.1f} ms of CPU "
         f"(float32, same vectors: gap {direct32['gap_max']:.0e}); groups of similar length took a text in a batch "
         f"of {VARIANT_BATCH} from {previous['batch_cpu_ms']:.1f} to {direct32['batch_cpu_ms']:.1f} ms; bfloat16 "
-        f"then to {bf16['single_cpu_ms']:.1f} ms lone and {bf16['batch_cpu_ms']:.1f} ms in a batch, moving cosines "
+        f"then to {plain['single_cpu_ms']:.1f} ms lone (weights as plain bfloat16 tensors, transformers' own "
+        f"forward) and, with prepacked weights and the lean forward of a lone text (the same vectors bit for bit), "
+        f"to {bf16['single_cpu_ms']:.1f} ms lone and {bf16['batch_cpu_ms']:.1f} ms in a batch, moving cosines "
         f"by {bf16['drift_mean']:.4f} on average and at most {bf16['drift_max']:.4f} (on the held-out half the "
         "verifier's false hits and recall at the shipped threshold did not move beyond noise: "
         "`docs/semantic-cache.md`). On a CPU without bfloat16 instructions bfloat16 is slower: set "
