@@ -325,7 +325,7 @@ class Gateway:
                 code="model_not_found",
                 param="model",
             )
-        ex.route = self.router.route(model, call.body, call.prompt_tokens_estimate, call.max_tokens, choice)
+        ex.route = self.router.route(model, call.body, call.prompt_tokens_estimate, call.max_tokens, choice, tenant.id)
         return model
 
     def _forcible(self, tenant: TenantSettings) -> tuple[str, ...] | list[str]:

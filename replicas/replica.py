@@ -144,9 +144,10 @@ class Claim:
     whatever is left (finished early, failed or cancelled).
 
     A streamed request (``streamed``) also counts in the replica's prefill backlog
-    (``prefill_requests`` / ``prefill_tokens``) until its first token arrives, and then
-    calls ``on_prefilled`` (the pool's admission hands the freed room on). A non-streamed
-    response shows no first token, so it is not counted there.
+    (``prefill_requests`` / ``prefill_tokens``) until its first token arrives. A non-streamed
+    response shows no first token, so it is not counted there. ``on_prefilled`` is called
+    once, when the prefill is over: at the first token, or at ``release`` if none came (the
+    pool's admission hands the freed room on).
     """
 
     __slots__ = ("_completion_left", "_on_prefilled", "_prefilling", "_prompt_left", "_released", "replica")
@@ -176,8 +177,7 @@ class Claim:
         self._end_prefill()
         self.replica.outstanding_tokens -= self._prompt_left
         self._prompt_left = 0
-        if self._on_prefilled is not None:
-            self._on_prefilled()
+        self._prefill_over()
 
     def generated(self, n: int) -> None:
         n = min(n, self._completion_left)
@@ -192,6 +192,12 @@ class Claim:
         self.replica.outstanding_tokens -= self._prompt_left + self._completion_left
         self.replica.outstanding_requests -= 1
         self._prompt_left = self._completion_left = 0
+        self._prefill_over()
+
+    def _prefill_over(self) -> None:
+        callback, self._on_prefilled = self._on_prefilled, None
+        if callback is not None:
+            callback()
 
     def _end_prefill(self) -> None:
         if self._prefilling:

@@ -10,6 +10,15 @@ Slots free up when a request of this gateway finishes (``notify``, called once p
 finished request) and when the scraped gauges show other gateway pods' work draining; for
 the latter, and for deadlines, one timer per pool runs while its queue is not empty.
 
+Prefill share: when the pool's capacity bounds the prefill backlog, each replica holds one
+prefill at a time, so the pool has one prefill slot per routable replica. While two or more
+tenants are active (a request queued, or one of theirs still before its first token), a
+tenant already holding its weighted share of those slots is held back (``FairQueue.pop``'s
+``held``): the slots it leaves stay free for the others instead of being refilled with its
+backlog at once. Work-conserving refill would keep every replica's steps full of one
+tenant's prefill chunks, and every other tenant's prefill and decoding would run in those
+long steps. A tenant alone gets every slot.
+
 Accounting: a woken request has a slot promised but has not claimed its replica yet
 (``_waking``); those promises count against the free slots, and the fast path stays closed
 while any is pending, so a newcomer cannot take the slot a woken request is about to use.
@@ -20,6 +29,7 @@ after it was woken hands its slot to the next. Nothing is leaked either way.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +38,8 @@ from routing.capacity import UNBOUNDED, Capacity, free_slots, has_room
 from routing.fair_queue import FairQueue, FairQueueConfig, Rejected, RejectReason, Ticket
 
 Waiter = asyncio.Future[Rejected | None]
+# What waits in the fair queue: the tenant (for the prefill share) and its future.
+Waiting = tuple[str, Waiter]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +62,7 @@ class Admission:
         clock: Callable[[], float],
         poll_interval_s: float = 0.05,
         enabled: bool = True,
+        share_prefill: bool = True,
     ) -> None:
         # The fleet's own list (updated in place by discovery): always the current replicas.
         self._replicas = replicas
@@ -58,10 +71,15 @@ class Admission:
         self._clock = clock
         self._poll_s = poll_interval_s
         self.enabled = enabled and capacity.bounded
-        self._queue: FairQueue[Waiter] = FairQueue(config, weights)
+        self._share_prefill = share_prefill and capacity.max_prefill_tokens is not None
+        self._queue: FairQueue[Waiting] = FairQueue(config, weights)
         self._queued = 0
         self._waking = 0
         self._timer: asyncio.TimerHandle | None = None
+        # By tenant: streamed requests sent to this pool's replicas and not yet past their
+        # first token, and requests woken but not yet back from ``wait`` (about to claim).
+        self._prefilling: dict[str, int] = {}
+        self._woken: dict[str, int] = {}
 
     @property
     def queued(self) -> int:
@@ -91,7 +109,7 @@ class Admission:
         """
         now = self._clock()
         waiter: Waiter = asyncio.get_running_loop().create_future()
-        ticket = self._queue.push(tenant, waiter, cost, now, deadline)
+        ticket = self._queue.push(tenant, (tenant, waiter), cost, now, deadline)
         if isinstance(ticket, Rejected):
             return ticket
         self._queued += 1
@@ -104,13 +122,30 @@ class Admission:
             raise
         if outcome is not None:
             return outcome
-        self._waking -= 1
+        self._unwake(tenant)
         return Admitted(self._clock() - now)
 
     def notify(self) -> None:
         """A request of this pool finished: its slot may go to the next waiting one."""
         if self._queued:
             self._pump(self._clock())
+
+    def prefill_started(self, tenant: str) -> None:
+        """A streamed request of ``tenant`` was sent to a replica of this pool."""
+        self._prefilling[tenant] = self._prefilling.get(tenant, 0) + 1
+
+    def prefill_ended(self, tenant: str) -> None:
+        """That request had its first token, or ended without one: its prefill slot is free."""
+        left = self._prefilling.get(tenant, 0) - 1
+        if left > 0:
+            self._prefilling[tenant] = left
+        else:
+            self._prefilling.pop(tenant, None)
+        self.notify()
+
+    def prefilling(self) -> dict[str, int]:
+        """Requests past admission and before their first token, by tenant (those with any)."""
+        return dict(self._prefilling)
 
     def poll(self) -> None:
         """Re-check room and deadlines now (the timer does this while requests wait)."""
@@ -134,32 +169,60 @@ class Admission:
         # No routable replica is not a capacity matter: let them through to get their 503
         # (or their fallback model) now rather than after a full wait.
         room = UNBOUNDED if slots is None else slots - self._waking
+        held = self._held(now)
         while room > 0 and self._queued:
-            waiter = self._queue.pop(now)
-            if waiter is None:
+            popped = self._queue.pop(now, held)
+            if popped is None:
                 break
+            tenant, waiter = popped
             self._queued -= 1
             if waiter.done():  # its client left; the future was cancelled with the task
                 continue
             waiter.set_result(None)
             self._waking += 1
+            self._woken[tenant] = self._woken.get(tenant, 0) + 1
             room -= 1
         self._expire(now)  # heads that pop() found past their deadline
 
+    def _held(self, now: float) -> Callable[[str], bool] | None:
+        """Tenants at their share of the pool's prefill slots, while others are active (None: none)."""
+        if not self._share_prefill:
+            return None
+        active = {t for t, n in self._queue.depths().items() if n} | self._prefilling.keys() | self._woken.keys()
+        if len(active) < 2:
+            return None
+        slots = sum(1 for r in self._replicas if r.routable(now))
+        total = sum(self._queue.weight(t) for t in active)
+        prefilling, woken, weight = self._prefilling, self._woken, self._queue.weight
+
+        def held(tenant: str) -> bool:
+            taken = prefilling.get(tenant, 0) + woken.get(tenant, 0)
+            return taken >= max(1, math.ceil(slots * weight(tenant) / total))
+
+        return held
+
     def _expire(self, now: float) -> None:
-        for waiter in self._queue.expire(now):
+        for _, waiter in self._queue.expire(now):
             self._queued -= 1
             if not waiter.done():
                 waiter.set_result(Rejected(RejectReason.WAIT_EXCEEDED, self._config.retry_after_s))
 
-    def _abandon(self, ticket: Ticket[Waiter], waiter: Waiter) -> None:
+    def _abandon(self, ticket: Ticket[Waiting], waiter: Waiter) -> None:
         if waiter.cancelled() or not waiter.done():
             if self._queue.cancel(ticket):
                 self._queued -= 1
         elif waiter.result() is None:
             # Woken, but gone before claiming: the promised slot goes to the next one.
-            self._waking -= 1
+            self._unwake(ticket.tenant)
             self._pump(self._clock())
+
+    def _unwake(self, tenant: str) -> None:
+        self._waking -= 1
+        left = self._woken[tenant] - 1
+        if left:
+            self._woken[tenant] = left
+        else:
+            del self._woken[tenant]
 
     def _arm(self, now: float) -> None:
         if self._timer is not None or not self._queued:

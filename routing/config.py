@@ -146,6 +146,10 @@ class QueueSettings(_Frozen):
     # While requests wait, room is re-checked this often (scraped gauges change without a
     # request of this gateway finishing); a finishing request wakes the next one at once.
     poll_interval_s: float = Field(0.05, gt=0, le=5.0)
+    # While two or more tenants are active, hold each at its weighted share of the pool's
+    # prefill slots (one per replica, when capacity.max_prefill_tokens is set): a flood's
+    # prefill then cannot fill every replica's steps while others wait for their tokens.
+    share_prefill: bool = True
 
 
 class RoutingSettings(_Frozen):

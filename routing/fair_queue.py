@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -137,12 +138,19 @@ class FairQueue(Generic[T]):
         self._retire(ticket)
         return True
 
-    def pop(self, now: float) -> T | None:
+    def weight(self, tenant: str) -> float:
+        """``tenant``'s weight (its configured one, or the default)."""
+        state = self._tenants.get(tenant)
+        return state.weight if state else self._weights.get(tenant, self._config.default_weight)
+
+    def pop(self, now: float, held: Callable[[str], bool] | None = None) -> T | None:
         """The next item in WDRR order, or None when nothing live is queued.
 
         Items past their deadline are not served; they are set aside for ``expire``.
+        ``held``: tenants not to serve now (they keep their place and credit, and earn
+        none while held); None when every tenant with something queued is held.
         """
-        idle_visits = 0
+        idle_visits = held_visits = 0
         while self._active:
             name = self._active[0]
             state = self._tenants[name]
@@ -150,24 +158,28 @@ class FairQueue(Generic[T]):
             if head is None:  # emptied by expiry or cancellation
                 self._leave_round(state)
                 continue
-            if not self._head_credited:
-                state.deficit += self._config.quantum_tokens * state.weight
-                self._head_credited = True
-            if head.cost <= state.deficit:
-                state.deficit -= head.cost
-                state.queue.popleft()
-                head.live = False
-                state.live -= 1
-                if state.live == 0:
-                    self._leave_round(state)
-                return head.item
-            # Not enough credit: this tenant's visit is over, it keeps its deficit.
+            if held is not None and held(name):
+                held_visits += 1
+            else:
+                if not self._head_credited:
+                    state.deficit += self._config.quantum_tokens * state.weight
+                    self._head_credited = True
+                if head.cost <= state.deficit:
+                    state.deficit -= head.cost
+                    state.queue.popleft()
+                    head.live = False
+                    state.live -= 1
+                    if state.live == 0:
+                        self._leave_round(state)
+                    return head.item
+                idle_visits += 1  # not enough credit: its visit is over, it keeps its deficit
             self._active.rotate(-1)
             self._head_credited = False
-            idle_visits += 1
-            if idle_visits >= len(self._active):
-                self._skip_idle_rounds()
-                idle_visits = 0
+            if idle_visits + held_visits >= len(self._active):
+                if not idle_visits:
+                    return None
+                self._skip_idle_rounds(held)
+                idle_visits = held_visits = 0
         return None
 
     def expire(self, now: float) -> list[T]:
@@ -220,11 +232,12 @@ class FairQueue(Generic[T]):
         else:
             self._active.remove(name)
 
-    def _skip_idle_rounds(self) -> None:
+    def _skip_idle_rounds(self, held: Callable[[str], bool] | None) -> None:
         """Credit whole rounds at once when no head fits, instead of looping quantum by quantum."""
-        rounds = min((_rounds_needed(self._tenants[n], self._config.quantum_tokens) for n in self._active), default=1)
+        serving = [n for n in self._active if held is None or not held(n)]
+        rounds = min((_rounds_needed(self._tenants[n], self._config.quantum_tokens) for n in serving), default=1)
         if rounds > 1:
-            for name in self._active:
+            for name in serving:
                 state = self._tenants[name]
                 state.deficit += (rounds - 1) * self._config.quantum_tokens * state.weight
 

@@ -17,6 +17,7 @@ Nothing here awaits: the waiting (fair queue) is ``routing.admission``, the send
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -154,6 +155,7 @@ class Route:
         "queued_s",
         "reason",
         "served",
+        "tenant",
     )
 
     def __init__(
@@ -164,8 +166,10 @@ class Route:
         prompt_tokens: int,
         max_tokens: int | None,
         choice: TierChoice | None = None,
+        tenant: str = "",
     ) -> None:
         self._router = router
+        self.tenant = tenant
         self.model = model
         self.body = body
         self.prompt_tokens = prompt_tokens
@@ -237,11 +241,16 @@ class Route:
     def claim(self, replica: Replica, streamed: bool) -> Claim:
         """The load of this attempt on ``replica`` (just chosen): its uncached prompt and ``max_tokens``.
 
-        A streamed attempt's first token hands the room it held in the prefill backlog to
-        the next request waiting for the pool.
+        A streamed attempt holds one of the pool's prefill slots for its tenant until its
+        first token (or its end without one), which hands the room on to the next request
+        waiting for the pool.
         """
-        pool = self._router.pools[self.served or self.model]
-        return Claim(replica, self._prefill, self.max_tokens, streamed=streamed, on_prefilled=pool.admission.notify)
+        admission = self._router.pools[self.served or self.model].admission
+        if not streamed:
+            return Claim(replica, self._prefill, self.max_tokens, on_prefilled=admission.notify)
+        admission.prefill_started(self.tenant)
+        ended = functools.partial(admission.prefill_ended, self.tenant)
+        return Claim(replica, self._prefill, self.max_tokens, streamed=True, on_prefilled=ended)
 
     def may_retry(self) -> bool:
         """Whether another attempt may follow a failed one (the primary pool's retry budget)."""
@@ -339,6 +348,7 @@ class Router:
                 clock=clock,
                 poll_interval_s=qs.poll_interval_s,
                 enabled=qs.enabled,
+                share_prefill=qs.share_prefill,
             )
             pools[spec.model] = Pool(
                 spec.model,
@@ -378,8 +388,9 @@ class Router:
         prompt_tokens: int,
         max_tokens: int | None,
         choice: TierChoice | None = None,
+        tenant: str = "",
     ) -> Route:
-        return Route(self, model, body, prompt_tokens, max_tokens, choice)
+        return Route(self, model, body, prompt_tokens, max_tokens, choice, tenant)
 
     def route_request(self, body: dict[str, Any], prompt_tokens: int, max_tokens: int) -> RouteRequest:
         """The policy's view of a request; prefix keys only when something uses them."""

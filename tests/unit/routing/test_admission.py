@@ -257,3 +257,78 @@ async def test_a_first_token_lets_the_next_request_in() -> None:
     await settle()
     assert isinstance(waiter.result(), Admitted)
     first.release()
+
+
+def test_a_claim_reports_the_end_of_its_prefill_once_with_or_without_a_first_token() -> None:
+    r = replica("a")
+    ended: list[str] = []
+    failed = Claim(r, 1500, 10, streamed=True, on_prefilled=lambda: ended.append("failed"))
+    failed.release()  # the replica failed before the first token
+    failed.release()
+    done = Claim(r, 1500, 10, streamed=True, on_prefilled=lambda: ended.append("done"))
+    done.prefilled()
+    done.release()
+    assert ended == ["failed", "done"]
+    assert (r.prefill_requests, r.prefill_tokens, r.outstanding_requests, r.outstanding_tokens) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("share", [True, False])
+async def test_a_tenant_at_its_share_of_prefill_slots_is_held_while_another_is_active(share: bool) -> None:
+    """Four replicas, one prefill slot each: two active tenants of equal weight get two each.
+
+    With ``share_prefill`` off the queue is work-conserving: the flood refills every slot."""
+    rs = [replica(f"r{i}") for i in range(4)]
+    adm = Admission(
+        rs,
+        Capacity(max_requests=None, max_prefill_tokens=4096),
+        FairQueueConfig(quantum_tokens=100),
+        clock=Clock(),
+        poll_interval_s=3600,
+        share_prefill=share,
+    )
+    prefilling: dict[str, list[Claim]] = {"flood": [], "quiet": []}
+    free = list(rs)
+
+    async def request(tenant: str) -> None:
+        outcome = await adm.wait(tenant, 100, FAR)
+        assert isinstance(outcome, Admitted)
+        adm.prefill_started(tenant)
+        # An 8,000-token prompt: its replica is at the bound until the first token.
+        prefilling[tenant].append(Claim(free.pop(), 8000, 10, streamed=True))
+
+    def first_token(tenant: str) -> None:
+        claim = prefilling[tenant].pop(0)
+        claim.prefilled()
+        free.append(claim.replica)
+        adm.prefill_ended(tenant)
+
+    # Alone, the flood takes every slot (and more wait).
+    tasks = [asyncio.create_task(request("flood")) for _ in range(8)]
+    await settle()
+    assert len(prefilling["flood"]) == 4 and adm.queued == 4
+    # Another tenant arrives and waits; the next freed slot is its, and the flood, now at
+    # or over its share of two, is not refilled as its prefills end.
+    tasks.append(asyncio.create_task(request("quiet")))
+    await settle()
+    first_token("flood")
+    await settle()
+    if share:
+        assert (len(prefilling["flood"]), len(prefilling["quiet"])) == (3, 1)
+    # Two more end: the first freed slot is not refilled (3 -> 2, at its share), the
+    # second is (1 -> 2): one slot stays free for the other tenant's next request.
+    first_token("flood")
+    await settle()
+    first_token("flood")
+    await settle()
+    if share:
+        assert (len(prefilling["flood"]), len(prefilling["quiet"]), len(free)) == (2, 1, 1)
+    else:  # every freed slot refilled at once
+        assert len(free) == 0 and len(prefilling["flood"]) >= 3
+    # Once the other tenant's prefill is over it is no longer active: the flood gets them all.
+    while prefilling["quiet"]:
+        first_token("quiet")
+    await settle()
+    assert (len(prefilling["flood"]), len(free)) == (4, 0)
+    for t in tasks:
+        t.cancel()
+    await settle()

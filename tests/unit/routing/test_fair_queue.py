@@ -148,3 +148,25 @@ def test_flood_delays_another_tenant_by_at_most_one_round(
     # In one round the flooder sends at most (its quantum + carried deficit) / cost requests.
     one_round = (2 * quantum * flood_weight) // flood_cost + 1
     assert order.index("v") <= one_round
+
+
+def test_held_tenants_keep_their_place_and_earn_nothing() -> None:
+    q: FairQueue[str] = FairQueue(FairQueueConfig(quantum_tokens=100))
+    for i in range(2):
+        q.push("a", f"a{i}", 100, 0.0, FAR)
+        q.push("b", f"b{i}", 100, 0.0, FAR)
+    hold_a = lambda tenant: tenant == "a"  # noqa: E731
+    assert q.pop(0.0, hold_a) == "b0"
+    assert q.pop(0.0, hold_a) == "b1"
+    assert q.pop(0.0, hold_a) is None  # only a is left, and it is held
+    assert q.queued("a") == 2
+    assert drain(q) == ["a0", "a1"]
+
+
+def test_a_held_tenant_does_not_stop_others_earning_credit() -> None:
+    q: FairQueue[str] = FairQueue(FairQueueConfig(quantum_tokens=100))
+    q.push("a", "a0", 100, 0.0, FAR)
+    q.push("b", "b-big", 450, 0.0, FAR)  # five rounds of b's credit
+    assert q.pop(0.0, lambda tenant: tenant == "a") == "b-big"
+    assert q.pop(0.0, lambda tenant: True) is None
+    assert drain(q) == ["a0"]
