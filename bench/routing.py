@@ -3,6 +3,9 @@
     .venv/bin/python bench/routing.py            # the full benchmark (~45 min): bench/results/routing.md
     .venv/bin/python bench/routing.py --quick    # a smoke test (~5 min): bench/results/routing-quick.md
     .venv/bin/python bench/routing.py --from-json bench/results/routing.json   # re-render the report
+    .venv/bin/python bench/routing.py --fair-only     # the fair-queue experiment alone: routing-fair.json
+    .venv/bin/python bench/routing.py --from-json bench/results/routing.json --fair-from bench/results/routing-fair.json
+                                                      # the report with that run's fair-queue section
 
 Each policy gets its own ``fleetgate serve`` process with eight managed ``engine: sim``
 replicas (``h100-llama-3.1-8b``), started once and kept for the whole run. The four fleets
@@ -608,6 +611,20 @@ async def run_config(config: BenchConfig, work_dir: Path, log: Callable[[str], N
     return document(bench, meta)
 
 
+def with_fair_from(doc: dict[str, Any], fair_run: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its fair-queue section replaced by ``fair_run``'s (a ``--fair-only`` run).
+
+    For a change that only matters with several tenants: the workloads (one tenant each) keep
+    their run, the fair queue gets the later one, and the method names both.
+    """
+    out = dict(doc)
+    out["fair"], out["fair_pooled"] = fair_run["fair"], fair_run["fair_pooled"]
+    out["config"] = {**doc["config"], "fair": fair_run["config"]["fair"]}
+    out["config"]["fair_policies"] = fair_run["config"]["fair_policies"]
+    out["meta"] = {**doc["meta"], "fair_run": fair_run["meta"]}
+    return out
+
+
 def write_outputs(doc: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
     from bench.routing_report import write_report
 
@@ -627,14 +644,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, help="override the simulated GPUs' speed vs real time")
     parser.add_argument("--policies", help="comma-separated subset of " + ",".join(POLICIES))
     parser.add_argument("--from-json", type=Path, metavar="FILE", help="write the report again from a run's JSON")
+    parser.add_argument(
+        "--fair-only", action="store_true", help="run the fair-queue experiment alone (writes routing-fair.json)"
+    )
+    parser.add_argument(
+        "--fair-from",
+        type=Path,
+        metavar="FILE",
+        help="with --from-json: take the fair-queue section from this --fair-only run (the method says so)",
+    )
     args = parser.parse_args(argv)
-    name = args.name or ("routing-quick" if args.quick else "routing")
+    name = args.name or ("routing-quick" if args.quick else "routing-fair" if args.fair_only else "routing")
+    if args.from_json and args.fair_only:
+        parser.error("--fair-only runs the experiment; --from-json only writes a report")
     if args.from_json:
         doc = orjson.loads(args.from_json.read_bytes())
+        if args.fair_from:
+            doc = with_fair_from(doc, orjson.loads(args.fair_from.read_bytes()))
         paths = write_outputs(doc, args.out, name)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
         return 0
+    if args.fair_from:
+        parser.error("--fair-from goes with --from-json")
     config = QUICK if args.quick else FULL
+    if args.fair_only:
+        config = replace(config, experiments=(), policies=config.fair_policies)
     if args.time_scale:
         config = replace(config, timing=replace(config.timing, time_scale=args.time_scale))
     wanted = tuple(args.policies.split(",")) if args.policies else config.policies
@@ -659,6 +693,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="routing-bench-") as tmp:
         doc = uvloop.run(run_config(config, Path(tmp), log))
+    if args.fair_only:  # no workloads to report: the JSON, for --fair-from
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"{name}.json"
+        path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+        log(f"done in {doc['meta']['wall_s']:.0f} s; wrote {path}")
+        return 0
     paths = write_outputs(doc, args.out, name)
     log(f"done in {doc['meta']['wall_s']:.0f} s; wrote " + ", ".join(str(p) for p in paths))
     return 0

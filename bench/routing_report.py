@@ -342,6 +342,15 @@ def _method(res: Results) -> list[str]:
             "this machine more than the fleets. The gateway's queue settings are its defaults (waits scaled with "
             "the time scale), the replicas' capacity as above."
         )
+        fair_run = meta.get("fair_run")
+        if fair_run:
+            lines.append(
+                f"  **This section comes from a separate run** (`bench/routing.py --fair-only`, commit "
+                f"`{fair_run.get('git', '?')}`, started {fair_run.get('started_at', '?')}, "
+                f"{fair_run.get('wall_s', 0) / 60:.1f} min), after a change that acts only while two or more "
+                "tenants are active in a pool; the workloads above each send as one tenant and come from the "
+                "run described below."
+            )
     cpu = meta.get("cpu_s", {})
     lines += [
         "",
