@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.routing import BenchConfig, Experiment, FairPlan, Timing, run_config, write_outputs
+from bench.routing import BenchConfig, Experiment, FairPlan, Timing, run_config, with_fair_from, write_outputs
 from bench.routing_fleet import POLICIES, runnable_policies
 from bench.routing_metrics import FleetReading, is_good, read_fleet, request_metrics
 from bench.stats import RequestSample
@@ -79,6 +79,17 @@ async def test_a_reduced_run_writes_sane_records(tmp_path: Path) -> None:
     assert orjson.loads((tmp_path / "routing-test.json").read_bytes())["config"]["replicas"] == 2
     report = (tmp_path / "routing-test.md").read_text()
     assert "## The bars" in report and "## Method" in report
+
+    # A later fair-queue-only run's section replaces this one's, and the method says so.
+    fair_run = {**doc, "meta": {**doc["meta"], "git": "f00dfee"}, "fair_pooled": []}
+    merged = with_fair_from(doc, fair_run)
+    assert merged["fair_pooled"] == [] and merged["points"] == doc["points"]
+    assert merged["meta"]["git"] == doc["meta"]["git"] and merged["meta"]["fair_run"]["git"] == "f00dfee"
+    write_outputs(merged, tmp_path, "routing-merged")
+    assert (
+        "separate run** (`bench/routing.py --fair-only`, commit `f00dfee`"
+        in (tmp_path / "routing-merged.md").read_text()
+    )
 
 
 def test_a_good_request_meets_both_slos_itself() -> None:
