@@ -143,10 +143,6 @@ class Admission:
             self._prefilling.pop(tenant, None)
         self.notify()
 
-    def prefilling(self) -> dict[str, int]:
-        """Requests past admission and before their first token, by tenant (those with any)."""
-        return dict(self._prefilling)
-
     def poll(self) -> None:
         """Re-check room and deadlines now (the timer does this while requests wait)."""
         self._timer = None
@@ -192,6 +188,8 @@ class Admission:
         if len(active) < 2:
             return None
         slots = sum(1 for r in self._replicas if r.routable(now))
+        if not slots:  # nothing routable: let them through to their 503 or fallback
+            return None
         total = sum(self._queue.weight(t) for t in active)
         prefilling, woken, weight = self._prefilling, self._woken, self._queue.weight
 
