@@ -329,7 +329,10 @@ async def test_redis_crash_fail_open_fail_closed_and_recovery(redis_server: Redi
     limiter = create_limiter(redis_server.url, options=options, metrics=metrics)
     roomy = TenantLimits(requests_per_minute=600_000, tokens_per_minute=10**8, max_concurrent=500)
     limits = {"open": roomy, "closed": roomy.model_copy(update={"on_store_failure": "fail_closed"})}
-    phase = "up"
+    # Unjudged until the clients run: a stall of the machine while twenty clients start
+    # (seen once in a full suite run, right after the real-vLLM tests) would otherwise
+    # decide the whole "up" window.
+    phase = "warmup"
     records: list[tuple[str, str, bool, Reason | None, bool, float]] = []
     stop = asyncio.Event()
 
@@ -347,7 +350,9 @@ async def test_redis_crash_fail_open_fail_closed_and_recovery(redis_server: Redi
 
     assert (await limiter.admit(Subject("open"), roomy, 0)).allowed  # scripts loaded
     tasks = [asyncio.create_task(client(i)) for i in range(20)]
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(0.3)
+    phase = "up"
+    await asyncio.sleep(0.8)
     phase = "down"
     redis_server.kill()
     await asyncio.sleep(1.0)
@@ -361,7 +366,7 @@ async def test_redis_crash_fail_open_fail_closed_and_recovery(redis_server: Redi
         await asyncio.sleep(0.05)
     assert not limiter.degraded, "the limiter did not recover on its own"
     phase = "recovered"
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(0.8)
     stop.set()
     await asyncio.gather(*tasks)  # any exception in a client fails the test here
     await limiter.close()
