@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from replicas.replica import GAUGE_RUNNING, GAUGE_WAITING
+from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING
 from replicas.sim_engine import CHARS_PER_TOKEN
 from replicas.sim_profiles import SimProfile
 
@@ -232,7 +232,7 @@ class EngineModel:
         return {
             GAUGE_RUNNING: float(len(self._running)),
             GAUGE_WAITING: float(len(self._waiting)),
-            "vllm:kv_cache_usage_perc": self.pool.usage,
+            GAUGE_KV_USAGE: self.pool.usage,
             "vllm:prefix_cache_queries_total": float(c.prefix_cache_queries_total),
             "vllm:prefix_cache_hits_total": float(c.prefix_cache_hits_total),
             "vllm:num_preemptions_total": float(c.num_preemptions_total),
