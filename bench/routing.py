@@ -625,13 +625,14 @@ def with_fair_from(doc: dict[str, Any], fair_run: dict[str, Any]) -> dict[str, A
     return out
 
 
-def write_outputs(doc: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
+def write_outputs(doc: dict[str, Any], out_dir: Path, name: str, report: bool = True) -> list[Path]:
+    """The run's JSON, then (``report``) its report and plots."""
     from bench.routing_report import write_report
 
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{name}.json"
     json_path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
-    return [json_path, *write_report(doc, out_dir, name)]
+    return [json_path, *(write_report(doc, out_dir, name) if report else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -693,13 +694,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="routing-bench-") as tmp:
         doc = uvloop.run(run_config(config, Path(tmp), log))
-    if args.fair_only:  # no workloads to report: the JSON, for --fair-from
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"{name}.json"
-        path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
-        log(f"done in {doc['meta']['wall_s']:.0f} s; wrote {path}")
-        return 0
-    paths = write_outputs(doc, args.out, name)
+    # --fair-only has no workloads to report: its JSON is for --fair-from.
+    paths = write_outputs(doc, args.out, name, report=not args.fair_only)
     log(f"done in {doc['meta']['wall_s']:.0f} s; wrote " + ", ".join(str(p) for p in paths))
     return 0
 
