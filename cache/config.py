@@ -24,6 +24,7 @@ Process-wide (top-level ``cache:``)::
       coalesce_linger_s: 1.0
       semantic:                     # the semantic cache's runtime (on for the tenants that enable it)
         model_dir: null             # a sentence-transformers model; default: all-MiniLM-L6-v2 (package)
+                                    # with its layers fine-tuned on question pairs (shipped)
         verifier_path: null         # verifier parameters trained for that model; default: shipped
         threshold: null             # the verifier's score threshold; default: the trained one
         embed_timeout_ms: 100       # a lookup whose text is not embedded by then is a miss
@@ -31,7 +32,7 @@ Process-wide (top-level ``cache:``)::
         max_text_chars: 1000        # longer texts are not matched by meaning
         batch_size: 64
         batch_wait_ms: 1.5
-        precision: bfloat16         # or float32 (CPUs without bfloat16 instructions)
+        precision: auto             # bfloat16 where the CPU has bfloat16 instructions, else float32
         stream_max_len: 10000       # Redis: events kept for other processes to catch up
         sync_block_ms: 1000         # Redis: longest blocking read of the event stream
         load_timeout_s: 30          # Redis: start-up waits this long for the initial load
@@ -100,10 +101,13 @@ DEFAULT_STREAM_MAX_LEN = 10_000
 # The numeric format of the embedding model's matrix products (cache.embedder). bfloat16
 # cuts its CPU time by ~40% in batches and ~20-25% for a lone text on a CPU with bfloat16
 # instructions, and moved no held-out result of the float32-trained verifier beyond noise
-# (docs/semantic-cache.md, "Precision"); on a CPU without them it is slower: use float32.
+# (docs/semantic-cache.md, "Precision"); on a CPU without them it is slower (2-4x) than
+# float32. "auto" (the default) picks bfloat16 only where the CPU has those instructions.
 Precision = Literal["float32", "bfloat16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
-DEFAULT_PRECISION: Precision = "bfloat16"
+PrecisionSetting = Literal["auto", "float32", "bfloat16"]
+PRECISION_SETTINGS: tuple[PrecisionSetting, ...] = get_args(PrecisionSetting)
+DEFAULT_PRECISION: PrecisionSetting = "auto"
 
 
 class SemanticServiceSettings(_Frozen):
@@ -121,7 +125,7 @@ class SemanticServiceSettings(_Frozen):
     max_text_chars: int = Field(DEFAULT_MAX_TEXT_CHARS, ge=1)
     batch_size: int = Field(64, ge=1, le=4096)
     batch_wait_ms: float = Field(1.5, ge=0, le=1000)
-    precision: Precision = DEFAULT_PRECISION
+    precision: PrecisionSetting = DEFAULT_PRECISION
     stream_max_len: int = Field(DEFAULT_STREAM_MAX_LEN, ge=100)
     sync_block_ms: int = Field(1000, ge=10, le=60_000)
     load_timeout_s: float = Field(30.0, ge=0)

@@ -23,12 +23,13 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from cache.config import Precision
+from cache.config import Precision, PrecisionSetting
 
 Embeddings = npt.NDArray[np.float32]
 
@@ -46,6 +47,43 @@ GROUP_MIN_TOKENS = 128
 # text, one interleaved run); with 1 the layout changes the sums' rounding (a probe moved
 # by 5e-5), which the start-up check catches.
 PACK_BATCH_HINT = 64
+# The shipped default's transformer layers, fine-tuned on question pairs by
+# scripts/train_semantic_embedder.py (float16); the base model supplies the embeddings.
+DEFAULT_LAYERS = Path(__file__).resolve().parent / "data" / "embedder-layers.safetensors"
+LAYER_PREFIX = "encoder."
+
+
+def layer_state(model: Any) -> dict[str, Any]:
+    """The transformer layers' tensors of a BERT-like ``model`` (what a layers file holds)."""
+    return {name: tensor for name, tensor in model.state_dict().items() if name.startswith(LAYER_PREFIX)}
+
+
+def apply_layers(model: Any, path: Path) -> None:
+    """Replace ``model``'s transformer layers with those of the layers file ``path``.
+
+    The file must hold exactly the model's layer tensors, shape for shape (a file written
+    for another model or another depth is refused with ValueError, never half-applied).
+    """
+    from safetensors.torch import load_file
+
+    tuned = load_file(str(path))
+    own = layer_state(model)
+    if tuned.keys() != own.keys():
+        missing, extra = sorted(own.keys() - tuned.keys()), sorted(tuned.keys() - own.keys())
+        raise ValueError(f"{path} does not fit this model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, tensor in tuned.items():
+        if tensor.shape != own[name].shape:
+            raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model {tuple(own[name].shape)}")
+    model.load_state_dict({name: t.to(own[name].dtype) for name, t in tuned.items()}, strict=False)
+
+
+def mean_pool(hidden: Any, attention_mask: Any) -> Any:
+    """The mean of ``hidden`` over each row's real tokens, in float32."""
+    import torch
+
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    summed = (hidden * mask).sum(dim=1, dtype=torch.float32)
+    return summed / mask.sum(dim=1, dtype=torch.float32).clamp(min=1e-9)
 
 
 def length_groups(
@@ -98,6 +136,14 @@ def native_bfloat16() -> bool | None:
     if not all(callable(probe) for probe in probes):
         return None
     return any(probe() for probe in probes if callable(probe))
+
+
+def resolve_precision(setting: PrecisionSetting) -> Precision:
+    """``setting`` as a numeric format: "auto" is bfloat16 where this CPU has bfloat16
+    instructions (``native_bfloat16``), float32 elsewhere and where that is unknown."""
+    if setting == "auto":
+        return "bfloat16" if native_bfloat16() else "float32"
+    return setting
 
 
 def store_linear_weights_in_bfloat16(model: Any) -> None:
@@ -322,12 +368,8 @@ class Direct:
 
         ``hidden``: the transformer's last hidden state of ``inputs`` if already computed.
         """
-        import torch
-
         if hidden is None:
             hidden = self._transformer(**inputs)[0]
         if self._pooling == "cls":
             return hidden[:, 0].float()
-        mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        summed = (hidden * mask).sum(dim=1, dtype=torch.float32)
-        return summed / mask.sum(dim=1, dtype=torch.float32).clamp(min=1e-9)
+        return mean_pool(hidden, inputs["attention_mask"])

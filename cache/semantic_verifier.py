@@ -163,14 +163,16 @@ class VerifierParams:
         if data.get("format") != PARAMS_FORMAT:
             raise VerifierParamsError(f"verifier parameters of format {data.get('format')!r}, expected {PARAMS_FORMAT}")
         try:
-            projection = np.asarray(data["projection"], dtype=np.float32)
+            mean = np.asarray(data["projection_mean"], dtype=np.float32)
+            # One row per principal direction; zero rows (no projected features) keep the width.
+            projection = np.asarray(data["projection"], dtype=np.float32).reshape(-1, mean.shape[0])
             names = tuple(data["features"])
             if list(names) != feature_names(projection.shape[0]):
                 raise VerifierParamsError("verifier parameters were trained on other features")
             return cls(
                 ensemble=TreeEnsemble.from_json(data["model"]),
                 projection=projection,
-                projection_mean=np.asarray(data["projection_mean"], dtype=np.float32),
+                projection_mean=mean,
                 threshold=float(data["threshold"]),
                 min_cosine=float(data["min_cosine"]),
                 feature_names=names,

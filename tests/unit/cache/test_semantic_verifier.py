@@ -182,23 +182,31 @@ def test_a_rephrasing_is_scored_by_the_model(verifier: SemanticVerifier) -> None
     assert verdict.hit == (verdict.score >= verifier.threshold)
 
 
-def test_a_different_number_lowers_the_score(verifier: SemanticVerifier) -> None:
-    u = unit_vector(4)
-    same = verifier.score(
-        "What is a registration key for Visual Studio 2010 Express?",
-        "What is the registration key for Visual Studio 2010 Express?",
-        u,
-        u,
-        0.977,
+@pytest.mark.parametrize("disagreement", ["number_mismatch", "negation_mismatch", "name_mismatch"])
+def test_a_disagreement_never_raises_the_score(verifier: SemanticVerifier, disagreement: str) -> None:
+    # All else equal: the same rows (real pairs' features, at cosines across the range where
+    # the model is asked) with the disagreement off and on.
+    pairs = [
+        ("What is a registration key for Visual Studio 2010 Express?", "What is the registration key for it?"),
+        ("How do I buy a gun with a licence in India?", "How can I buy a gun in India?"),
+        ("Which laptop should I buy?", "Which laptop I should buy for college?"),
+        ("Where is Martin County?", "Where is Johnson County?"),
+    ]
+    rows = np.array(
+        [[cosine, *lexical_features(a, b)] for a, b in pairs for cosine in np.linspace(verifier.min_cosine, 1.0, 25)],
+        dtype=np.float32,
     )
-    other = verifier.score(
-        "What is a registration key for Visual Studio 2010 Express?",
-        "What is the registration key for Visual Studio 2008 Express?",
-        u,
-        u,
-        0.977,
-    )
-    assert other < same
+    column = FEATURE_NAMES.index(disagreement)
+    agree, disagree = rows.copy(), rows.copy()
+    agree[:, column], disagree[:, column] = 0.0, 1.0
+    assert np.all(verifier.params.ensemble.predict(disagree) <= verifier.params.ensemble.predict(agree))
+
+
+def test_the_score_never_falls_as_the_cosine_rises(verifier: SemanticVerifier) -> None:
+    a, b = "How can I lose weight quickly?", "How do I lose weight fast?"
+    cosines = np.linspace(verifier.min_cosine, 1.0, 50)
+    rows = np.array([[c, *lexical_features(a, b)] for c in cosines], dtype=np.float32)
+    assert np.all(np.diff(verifier.params.ensemble.predict(rows)) >= 0)
 
 
 def test_below_the_cosine_floor_the_model_is_not_asked(verifier: SemanticVerifier) -> None:
