@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cache_quality_report import Curve, Report, Timings, write_report  # noqa: E402
 from bench.qqp_pairs import SPLIT_SEED, duplicate_clusters, load_pairs, split_pairs  # noqa: E402
-from cache.embedder import SentenceTransformerEmbedder  # noqa: E402
+from cache.embedder import SentenceTransformerEmbedder, default_model_dir  # noqa: E402
 from cache.pair_features import FloatArray  # noqa: E402
 from cache.semantic_verifier import Candidate, SemanticVerifier, VerifierParams  # noqa: E402
 from cache.vector_index import VectorIndex  # noqa: E402
@@ -111,18 +111,28 @@ def run(args: argparse.Namespace) -> Report:
     columns = (*Progress.get_default_columns()[:-1], MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns) as progress:
 
-        async def embed_phase() -> tuple[FloatArray, Timings, Timings]:
+        async def embed_phase() -> tuple[FloatArray, Timings, Timings, FloatArray | None]:
             batched = Timings()
             async with SentenceTransformerEmbedder(args.model_dir, threads=1) as embedder:
                 vectors = await embed_all(embedder, texts, progress, batched)
                 latency = await embed_latency(embedder, texts[:LATENCY_SAMPLES])
-            return vectors, latency, batched
+            if args.model_dir is not None:
+                return vectors, latency, batched, None
+            # The packaged model without the fine-tuned layers, for comparison.
+            async with SentenceTransformerEmbedder(default_model_dir(), threads=1) as untuned:
+                return vectors, latency, batched, await embed_all(untuned, texts, progress, Timings())
 
-        matrix, embed_seconds, embed_batched = asyncio.run(embed_phase())
+        matrix, embed_seconds, embed_batched, untuned_matrix = asyncio.run(embed_phase())
         vectors = {text: matrix[i] for i, text in enumerate(texts)}
         u = np.vstack([vectors[p.question1] for p in held_out])
         v = np.vstack([vectors[p.question2] for p in held_out])
         cosines = np.einsum("ij,ij->i", u, v)
+        untuned_cosine = None
+        if untuned_matrix is not None:
+            row = {text: i for i, text in enumerate(texts)}
+            first = untuned_matrix[[row[p.question1] for p in held_out]]
+            second = untuned_matrix[[row[p.question2] for p in held_out]]
+            untuned_cosine = Curve("untuned cosine", np.einsum("ij,ij->i", first, second), labels, None)
 
         task = progress.add_task("pairwise verification", total=len(held_out))
         pair_scores = np.zeros(len(held_out))
@@ -193,6 +203,7 @@ def run(args: argparse.Namespace) -> Report:
         scan_seconds_100k=search_scan,
         sketch_agreement=agree,
         sketch_checked=len(eligible),
+        untuned_cosine=untuned_cosine,
     )
 
 
@@ -200,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", help="labelled pairs CSV (default: shared/data/qqp_val.csv)")
     parser.add_argument("--params", help="verifier parameters (default: the shipped cache/data/verifier.json)")
-    parser.add_argument("--model-dir", help="sentence-transformers model directory (default: the packaged MiniLM)")
+    parser.add_argument(
+        "--model-dir", help="sentence-transformers model directory (default: the packaged MiniLM, fine-tuned layers)"
+    )
     parser.add_argument("--out", default=str(RESULTS), help="directory for cache-quality.md and .png")
     parser.add_argument("--limit", type=int, default=0, help="only the first N held-out pairs (smoke test)")
     args = parser.parse_args(argv)
