@@ -79,6 +79,12 @@ class _Overloaded(Exception):
     """``max_pending`` texts are already waiting for the embedder."""
 
 
+def entry_scope(scope: str, identity: str) -> str:
+    """The scope an entry is stored and searched under: the request's scope and the identity
+    of the embedder that made its vector, so entries of another model are never compared."""
+    return f"{scope}@{identity}"
+
+
 class SemanticCache:
     """Embedder, verifier, local index and shared store of the semantic cache."""
 
@@ -109,8 +115,8 @@ class SemanticCache:
         self._verifier: SemanticVerifier | None = None
         self.index: SemanticIndex | None = None
         self.sync: SemanticSync | None = None
-        # Appended to every scope: entries embedded by another model are never compared.
-        self._space = ""
+        # The running embedder's identity, part of every entry's scope (``entry_scope``).
+        self._identity = ""
         self._memo: OrderedDict[str, asyncio.Future[Vector]] = OrderedDict()
         self._pending = 0
         self._background: set[asyncio.Task[Any]] = set()
@@ -191,7 +197,7 @@ class SemanticCache:
             await self._stack.aclose()
             raise
         self._embedder, self._verifier, self.index = embedder, verifier, index
-        self._space = f"@{embedder.identity}"
+        self._identity = embedder.identity
         if isinstance(embedder, SentenceTransformerEmbedder):
             self.metrics.watch_embedder(lambda: (embedder.stats.batches, embedder.stats.texts))
             embedder.on_batch = self.metrics.record_embed_batch
@@ -231,7 +237,7 @@ class SemanticCache:
         now = self._wall()
         index.expire(now)
         candidates = index.candidates(
-            query.scope + self._space, vector, k=TOP_K, min_score=verifier.min_cosine, now=now
+            entry_scope(query.scope, self._identity), vector, k=TOP_K, min_score=verifier.min_cosine, now=now
         )
         chosen, verdict = verifier.choose(query.text, vector, candidates)
         self.metrics.semantic_verdicts.labels(verdict.reason).inc()
@@ -264,7 +270,7 @@ class SemanticCache:
             return "unavailable"
         except TimeoutError:
             return "timeout"
-        scope = query.scope + self._space
+        scope = entry_scope(query.scope, self._identity)
         entry = SemanticEntry(split_key(answer_key)[1], scope, query.text, round_vector(vector), answer_key)
         try:
             put = await self.store_backend.put(entry, ttl_s=settings.ttl_s, max_entries=settings.max_entries)
