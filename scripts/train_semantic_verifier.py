@@ -87,10 +87,11 @@ MODEL_OPTIONS: dict[str, Any] = {
 }
 # Features the score may only rise with (+1) or fall with (-1), all else equal: a closer
 # pair never scores lower, and a number, negation or name that disagrees never raises the
-# score. Without the -1s, the verifier over the fine-tuned model scored "... Visual Studio
-# 2008 Express?" above "... 2010 Express?" against "... 2010 Express?" at the same cosine
-# (0.977): it had learnt the disagreement's weight from pairs the fine-tuned model had
-# already pushed apart, and the few it had not were often duplicates.
+# score. Without the -1s, the fit over the fine-tuned model's vectors let a name that
+# disagrees raise the score for some pairs (tests/unit/cache/test_semantic_verifier.py checks
+# each disagreement on the shipped trees). The constraint is on each feature alone: a pair
+# whose other words differ too can still score higher than a closer one at a forced equal
+# cosine; with the model's real cosines such pairs fall far apart (tests/integration).
 MONOTONE = {"cosine": 1, "number_mismatch": -1, "negation_mismatch": -1, "name_mismatch": -1}
 # Models averaged (seeds 0..BAGS-1); each sees a random half of the features per split.
 BAGS = 5
