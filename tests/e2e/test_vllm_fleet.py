@@ -302,9 +302,11 @@ def undrain_and_kill(
     Returns (monotonic and wall-clock time of the kill, the target's snapshot before it).
     """
     n = N_STREAMS + N_PINNED
-    _, snap = fleet.wait_fleet_sync(
+    print(f"[e2e] kill thread running at {time.monotonic():.2f}", flush=True)
+    waited, snap = fleet.wait_fleet_sync(
         lambda s: s[target]["outstanding_requests"] >= n, 30, f"{n} requests in flight on {target}"
     )
+    print(f"[e2e] {n} requests seen in flight on {target} after {waited:.2f} s", flush=True)
     fleet.admin_post(other, "undrain")
     fleet.wait_fleet_sync(lambda s: s[other]["state"] == "healthy", 30, f"{other} back in rotation")
     start_load()
@@ -352,6 +354,9 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
     workers = [asyncio.create_task(steady_load(client, w, go, results)) for w in range(4)]
     try:
         await wait_started(started, [*streams, *pinned], 60)
+        # When the long requests were seen started, and (below) when the worker thread ran: a
+        # CI run once timed out waiting for them in flight only after they had all ended.
+        print(f"[e2e] streams started at {time.monotonic():.2f}", flush=True)
         # 2. Undrain the other replica, start the steady load, SIGKILL the target's API server,
         #    all from a worker thread: the kill must not wait for turns of this event loop
         #    (busy with the streams) while the long requests run out.
