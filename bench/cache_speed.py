@@ -70,7 +70,12 @@ from cache.config import (  # noqa: E402
     SemanticCacheSettings,
     SemanticServiceSettings,
 )
-from cache.embed_model import DEFAULT_LAYERS, apply_layers, resolve_precision, unpack_linear_weights  # noqa: E402
+from cache.embed_model import (  # noqa: E402
+    DEFAULT_LAYERS,
+    load_sentence_transformer,
+    resolve_precision,
+    unpack_linear_weights,
+)
 from cache.embedder import SentenceTransformerEmbedder  # noqa: E402
 from cache.entry import CachedCompletion  # noqa: E402
 from cache.keys import exact_key, semantic_query, split_key  # noqa: E402
@@ -257,6 +262,8 @@ PLAIN_BFLOAT16 = "plain bfloat16, direct (no prepacked weights, transformers' fo
 # Texts each variant embeds alone (taking turns), and the batch size of the batched pass.
 VARIANT_LONE = 150
 VARIANT_BATCH = 32
+# Marks the variant the default precision ("auto") resolves to on this machine.
+DEFAULT_MARK = " (default here)"
 
 
 def through_encode(model: Any) -> EncodeCall:
@@ -278,13 +285,11 @@ async def embedder_variants(texts: list[str]) -> list[dict[str, Any]]:
     load hits them alike. The first, the previous path, is the reference of the drift.
     """
     import torch
-    from sentence_transformers import SentenceTransformer
 
     from cache.embedder import default_model_dir
 
     torch.set_num_threads(1)
-    model = SentenceTransformer(str(default_model_dir()), device="cpu")
-    apply_layers(model[0].auto_model, DEFAULT_LAYERS)  # the shipped default's model
+    model = load_sentence_transformer(default_model_dir(), DEFAULT_LAYERS)  # the shipped default's model
     with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
         warnings.simplefilter("ignore")
         int8 = torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
@@ -541,10 +546,6 @@ def analysis(result: dict[str, Any]) -> list[str]:
         "mostly stands aside (counted as `timeout` / `unavailable`) instead of delaying requests.",
     ]
     return lines + _levers(result["variants"])
-
-
-# The variant the default precision ("auto") resolves to on this machine.
-DEFAULT_MARK = " (default here)"
 
 
 def _variant(variants: list[dict[str, Any]], prefix: str) -> dict[str, Any] | None:

@@ -77,6 +77,18 @@ def apply_layers(model: Any, path: Path) -> None:
     model.load_state_dict({name: t.to(own[name].dtype) for name, t in tuned.items()}, strict=False)
 
 
+def load_sentence_transformer(model_dir: Path, layers: Path | None = None) -> Any:
+    """The ``SentenceTransformer`` in ``model_dir`` on the CPU, with the layers file
+    ``layers`` applied if given: the model as the embedder runs it, for it and for the
+    references that check it (benchmarks, tests)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    if layers is not None:
+        apply_layers(model[0].auto_model, layers)
+    return model
+
+
 def mean_pool(hidden: Any, attention_mask: Any) -> Any:
     """The mean of ``hidden`` over each row's real tokens, in float32."""
     import torch

