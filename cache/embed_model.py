@@ -335,7 +335,7 @@ class Direct:
         self._tokenizer = tokenizer
         self._transformer = transformer
         self._max_length = max_length
-        self._pooling = pooling
+        self.pooling = pooling
         self._precision = precision
         # Set once start-up has checked it gives the transformer's own vectors (``LeanBert``).
         self.lean: LeanBert | None = None
@@ -382,6 +382,6 @@ class Direct:
         """
         if hidden is None:
             hidden = self._transformer(**inputs)[0]
-        if self._pooling == "cls":
+        if self.pooling == "cls":
             return hidden[:, 0].float()
         return mean_pool(hidden, inputs["attention_mask"])

@@ -51,7 +51,15 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from cache.config import DEFAULT_PRECISION, PRECISION_SETTINGS, Precision, PrecisionSetting
+from cache.config import (
+    DEFAULT_PRECISION,
+    DEFAULT_RUNTIME,
+    PRECISION_SETTINGS,
+    RUNTIMES,
+    Precision,
+    PrecisionSetting,
+    Runtime,
+)
 from cache.embed_model import (
     DEFAULT_LAYERS,
     Direct,
@@ -65,8 +73,9 @@ from cache.embed_model import (
     store_linear_weights_in_bfloat16,
     unpack_linear_weights,
 )
+from cache.embed_onnx import OnnxDirect, onnx_available
 
-EncodePath = Literal["direct", "encode"]
+EncodePath = Literal["onnx", "direct", "encode"]
 
 log = logging.getLogger("fleetgate.cache")
 
@@ -227,12 +236,17 @@ class SentenceTransformerEmbedder:
         max_wait_s: float = DEFAULT_MAX_WAIT_S,
         threads: int = 1,
         precision: PrecisionSetting = DEFAULT_PRECISION,
+        runtime: Runtime = DEFAULT_RUNTIME,
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         if precision not in PRECISION_SETTINGS:
             raise ValueError(f"precision must be one of {', '.join(PRECISION_SETTINGS)}, not {precision!r}")
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
+        if runtime == "onnx" and precision == "bfloat16":
+            raise ValueError("runtime 'onnx' computes in float32, not bfloat16")
         self.model_dir = check_model_dir(model_dir if model_dir is not None else default_model_dir())
         # The shipped default is the packaged model with the fine-tuned layers.
         self.layers = Path(layers) if layers is not None else DEFAULT_LAYERS if model_dir is None else None
@@ -244,6 +258,7 @@ class SentenceTransformerEmbedder:
         self.threads = threads
         # The setting until ``start`` resolves "auto" to the numeric format used.
         self.precision: PrecisionSetting = precision
+        self.runtime = runtime
         self.on_batch = on_batch
         self._model: Any = None
         self._encoder: Callable[[Sequence[str]], Embeddings] | None = None
@@ -279,7 +294,8 @@ class SentenceTransformerEmbedder:
 
     @property
     def path(self) -> EncodePath:
-        """How texts reach the model: ``direct`` (tokenizer + transformer + pooling) or ``encode``."""
+        """How texts reach the model: ``onnx`` (tokenizer, then the model on ONNX Runtime), ``direct``
+        (tokenizer + transformer + pooling on PyTorch) or ``encode``."""
         if self._path is None:
             raise EmbedderClosed("the embedder is not started")
         return self._path
@@ -405,7 +421,8 @@ class SentenceTransformerEmbedder:
                 "sentence-transformers (and torch) are needed for the semantic cache: pip install 'fleetgate[semantic]'"
             ) from exc
         torch.set_num_threads(self.threads)
-        precision = resolve_precision(self.precision)
+        # ONNX Runtime computes in float32 (bfloat16 with it is refused in __init__).
+        precision = "float32" if self.runtime == "onnx" else resolve_precision(self.precision)
         self.precision = precision
         try:
             model = load_sentence_transformer(self.model_dir, self.layers)
@@ -438,15 +455,34 @@ class SentenceTransformerEmbedder:
     def _choose_path(
         self, model: Any, precision: Precision
     ) -> tuple[Callable[[Sequence[str]], Embeddings], EncodePath]:
-        """The direct path if the model's layout allows it and it reproduces encode, else encode."""
-        encode = Encode(model, self.max_batch_size, precision)
-        pooling = direct_pooling(self.model_dir)
-        if pooling is None:
-            return encode, "encode"
+        """ONNX Runtime or the direct path if the model's layout allows it and they reproduce
+        encode's vectors, else encode. Raises EmbedderUnavailable if runtime "onnx" cannot be had."""
+        direct = self._direct_checked(model, precision)
+        if direct is not None and precision == "float32" and self.runtime != "torch":
+            onnx = self._onnx_checked(direct, model[0])
+            if onnx is not None:
+                return onnx, "onnx"
+        if self.runtime == "onnx":
+            raise EmbedderUnavailable(
+                f"cannot run the embedding model {self.model_dir} on ONNX Runtime (the log says why): "
+                "set cache.semantic.runtime to auto or torch"
+            )
+        if direct is None:
+            return Encode(model, self.max_batch_size, precision), "encode"
         transformer = model[0]
-        if getattr(transformer.tokenizer, "padding_side", None) != "right":
-            return encode, "encode"
-        direct = Direct(transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, precision)
+        if precision == "bfloat16":
+            store_linear_weights_in_bfloat16(transformer.auto_model)
+            self.packed = self._pack_checked(direct, transformer.auto_model)
+        direct.lean = self._lean_checked(direct, transformer.auto_model)
+        self.lean = direct.lean is not None
+        return direct, "direct"
+
+    def _direct_checked(self, model: Any, precision: Precision) -> Direct | None:
+        """The direct path if the model's layout allows it and it reproduces encode, else None."""
+        pooling = direct_pooling(self.model_dir)
+        transformer = model[0]
+        if pooling is None or getattr(transformer.tokenizer, "padding_side", None) != "right":
+            return None
         gap = self._probe_gap(model, transformer, pooling)
         if gap is None or gap > PROBE_MAX_COSINE_GAP:
             log.warning(
@@ -454,13 +490,32 @@ class SentenceTransformerEmbedder:
                 self.model_dir,
                 "unknown, it failed" if gap is None else f"{gap:.2g}",
             )
-            return encode, "encode"
-        if precision == "bfloat16":
-            store_linear_weights_in_bfloat16(transformer.auto_model)
-            self.packed = self._pack_checked(direct, transformer.auto_model)
-        direct.lean = self._lean_checked(direct, transformer.auto_model)
-        self.lean = direct.lean is not None
-        return direct, "direct"
+            return None
+        return Direct(transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, precision)
+
+    def _onnx_checked(self, direct: Direct, transformer: Any) -> OnnxDirect | None:
+        """The model on ONNX Runtime if it is installed and gives ``direct``'s float32 vectors on the
+        probes, lone and batched; else None, with the reason logged."""
+        if not onnx_available():
+            log.info("onnxruntime (or onnx) is not installed: the embedding model runs on PyTorch")
+            return None
+        try:
+            onnx = OnnxDirect.export(
+                transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, direct.pooling, self.threads
+            )
+            probes = [list(PROBE_TEXTS), *([text] for text in PROBE_TEXTS)]
+            gap = max(_cosine_gap(onnx(texts), direct(texts)) for texts in probes)
+        except Exception:
+            log.warning("embedding model %s: ONNX Runtime failed; running on PyTorch", self.model_dir, exc_info=True)
+            return None
+        if gap > PROBE_MAX_COSINE_GAP:
+            log.warning(
+                "embedding model %s: ONNX Runtime moved a probe's vector (cosine gap %.2g); running on PyTorch",
+                self.model_dir,
+                gap,
+            )
+            return None
+        return onnx
 
     def _lean_checked(self, direct: Direct, model: Any) -> LeanBert | None:
         """``LeanBert`` for lone texts if the model allows it and each probe's vector stays the same."""

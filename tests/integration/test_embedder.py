@@ -158,7 +158,7 @@ def cosine_gap(a: np.ndarray, b: np.ndarray) -> float:
 async def test_direct_path_gives_encodes_vectors(reference: Any) -> None:
     # Batched (length groups inside each batch) and one at a time, as lookups arrive.
     texts = qqp_questions(320)
-    async with SentenceTransformerEmbedder(precision="float32") as embedder:
+    async with SentenceTransformerEmbedder(precision="float32", runtime="torch") as embedder:
         assert embedder.path == "direct"
         batched = np.vstack([await embedder.embed(texts[i : i + 64]) for i in range(0, len(texts), 64)])
         lone = np.vstack([await embedder.embed([text]) for text in texts[:40]])
@@ -339,6 +339,11 @@ async def test_a_model_the_direct_path_does_not_cover_runs_through_encode(tmp_pa
         assert embedder.path == "encode"
         vectors = await embedder.embed(texts)
     assert cosine_gap(vectors, encode(SentenceTransformer(str(tmp_path), device="cpu"), texts)) < 1e-6
+    # ONNX Runtime serves only what the direct path covers: asked for explicitly, it refuses to start.
+    embedder = SentenceTransformerEmbedder(tmp_path, runtime="onnx")
+    with pytest.raises(EmbedderUnavailable, match="ONNX Runtime"):
+        await embedder.start()
+    await embedder.close()
 
 
 def test_length_groups_take_every_text_once_in_groups_of_similar_length() -> None:
