@@ -63,17 +63,18 @@ from bench.qqp_pairs import SPLIT_SEED, load_pairs, split_pairs  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from cache.config import (  # noqa: E402
     DEFAULT_EMBED_TIMEOUT_MS,
-    DEFAULT_PRECISION,
-    PRECISIONS,
+    PRECISION_SETTINGS,
+    RUNTIMES,
     CacheServiceSettings,
     CacheSettings,
+    PrecisionSetting,
+    Runtime,
     SemanticCacheSettings,
     SemanticServiceSettings,
 )
 from cache.embed_model import (  # noqa: E402
     DEFAULT_LAYERS,
     load_sentence_transformer,
-    resolve_precision,
     unpack_linear_weights,
 )
 from cache.embedder import SentenceTransformerEmbedder  # noqa: E402
@@ -160,10 +161,15 @@ def pin(core: int | None) -> tuple[int, int | None]:
     return mine, (others[0] if others else None)
 
 
-async def populate(url: str, real: list[str], entries: int, rng: np.random.Generator) -> dict[str, float]:
-    """Store ``real`` questions (embedded, with answers) and random fillers up to ``entries``."""
+async def populate(
+    url: str, real: list[str], entries: int, rng: np.random.Generator, embedder_settings: SemanticServiceSettings
+) -> dict[str, float]:
+    """Store ``real`` questions (embedded as the measured cache will, with answers) and random
+    fillers up to ``entries``."""
     started = time.perf_counter()
-    async with SentenceTransformerEmbedder(threads=1) as embedder:
+    async with SentenceTransformerEmbedder(
+        threads=1, precision=embedder_settings.precision, runtime=embedder_settings.runtime
+    ) as embedder:
         vectors = np.vstack([await embedder.embed(real[i : i + 64]) for i in range(0, len(real), 64)])
         identity = embedder.identity  # the measured cache's embedder is the same model
     embed_s = time.perf_counter() - started
@@ -262,8 +268,15 @@ PLAIN_BFLOAT16 = "plain bfloat16, direct (no prepacked weights, transformers' fo
 # Texts each variant embeds alone (taking turns), and the batch size of the batched pass.
 VARIANT_LONE = 150
 VARIANT_BATCH = 32
-# Marks the variant the default precision ("auto") resolves to on this machine.
+# Marks the variant the default settings ("auto" precision and runtime) run on this machine.
 DEFAULT_MARK = " (default here)"
+ONNX_FLOAT32 = "float32, ONNX Runtime"
+# The embedder's settings timed against each other (with encode, plain bfloat16 and int8).
+TIMED_SETTINGS: tuple[tuple[PrecisionSetting, Runtime], ...] = (
+    ("float32", "torch"),
+    ("float32", "onnx"),
+    ("bfloat16", "torch"),
+)
 
 
 def through_encode(model: Any) -> EncodeCall:
@@ -278,11 +291,17 @@ def through_encode(model: Any) -> EncodeCall:
     return encode
 
 
-async def embedder_variants(texts: list[str]) -> list[dict[str, Any]]:
+def variant_name(embedder: SentenceTransformerEmbedder) -> str:
+    """The name of the variant a started embedder runs."""
+    return ONNX_FLOAT32 if embedder.path == "onnx" else f"{embedder.precision}, {embedder.path}"
+
+
+async def embedder_variants(texts: list[str], default: str) -> list[dict[str, Any]]:
     """The model alone by path and numeric format: cost lone and in batches, drift from float32.
 
     The variants take turns text by text (and batch by batch), so a change in the machine's
     load hits them alike. The first, the previous path, is the reference of the drift.
+    ``default`` names the variant the gateway's default settings run here.
     """
     import torch
 
@@ -295,21 +314,20 @@ async def embedder_variants(texts: list[str]) -> list[dict[str, Any]]:
         int8 = torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
             model, {torch.nn.Linear}, dtype=torch.qint8
         )
-    here = resolve_precision(DEFAULT_PRECISION)
     async with contextlib.AsyncExitStack() as stack:
-        direct = {
-            precision: await stack.enter_async_context(SentenceTransformerEmbedder(precision=precision, max_wait_s=0))
-            for precision in PRECISIONS
-        }
+        embedders = [
+            await stack.enter_async_context(
+                SentenceTransformerEmbedder(precision=precision, runtime=runtime, max_wait_s=0)
+            )
+            for precision, runtime in TIMED_SETTINGS
+        ]
         plain = await stack.enter_async_context(SentenceTransformerEmbedder(precision="bfloat16", max_wait_s=0))
         unpack_linear_weights(plain._model[0].auto_model)
         plain._encoder.lean = None  # type: ignore[union-attr]  # the previous default, for comparison
+        named = {variant_name(embedder): embedder.embed for embedder in embedders}
         variants: dict[str, EncodeCall] = {
             "float32, encode (the previous path)": through_encode(model),
-            **{
-                f"{precision}, direct{DEFAULT_MARK if precision == here else ''}": embedder.embed
-                for precision, embedder in direct.items()
-            },
+            **{f"{name}{DEFAULT_MARK if name == default else ''}": call for name, call in named.items()},
             PLAIN_BFLOAT16: plain.embed,
             "int8 dynamic (linear layers), encode": through_encode(int8),
         }
@@ -362,7 +380,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     real = sorted({p.question2 for p in pairs})
     cached = set(real)
     queries = list(dict.fromkeys(p.question1 for p in pairs if p.question1 not in cached))
-    needed = WARMUP + sum(LOOKUPS.values()) + args.component_samples
+    lookups = {c: max(c, round(n * args.lookups_scale)) for c, n in LOOKUPS.items()}
+    needed = WARMUP + sum(lookups.values()) + args.component_samples
     if len(queries) < needed:
         raise SystemExit(f"{len(queries)} distinct query texts, {needed} needed: raise --real")
     order = rng.permutation(len(queries))
@@ -372,9 +391,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if other is not None and server.pid is not None:
             os.sched_setaffinity(server.pid, {other})
         print(f"filling Redis: {len(real)} real questions + fillers up to {args.entries:,}", flush=True)
-        filled = await populate(server.url, real, args.entries, rng)
+        embedding = SETTINGS.semantic.model_copy(update={"precision": args.precision, "runtime": args.runtime})
+        settings = SETTINGS.model_copy(update={"semantic": embedding})
+        filled = await populate(server.url, real, args.entries, rng, embedding)
         metrics = CacheMetrics()
-        cache = create_response_cache(server.url, SETTINGS, metrics, start_semantic=True)
+        cache = create_response_cache(server.url, settings, metrics, start_semantic=True)
         started = time.perf_counter()
         async with cache:
             start_s = time.perf_counter() - started
@@ -383,6 +404,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             loaded = len(semantic.index)
             embedder = semantic.embedder
             assert isinstance(embedder, SentenceTransformerEmbedder)
+            default = variant_name(embedder)
             model = (
                 f"{embedder.precision}, {embedder.path} path"
                 + (", prepacked weights" if embedder.packed else "")
@@ -394,7 +416,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             taken += WARMUP
             phases = []
             for c in CONCURRENCY:
-                texts = queries[taken : taken + LOOKUPS[c]]
+                texts = queries[taken : taken + lookups[c]]
                 taken += len(texts)
                 phase = await closed_loop(cache, texts, c)
                 phases.append(phase)
@@ -418,12 +440,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "loads_after": os.getloadavg(),
         "entries": loaded,
         "model": model,
+        "settings": "the default settings"
+        if (args.precision, args.runtime) == ("auto", "auto")
+        else f"precision: {args.precision}, runtime: {args.runtime}",
         "real": len(real),
         "filled": filled,
         "start_s": start_s,
         "phases": phases,
         "steps": steps,
-        "variants": await embedder_variants(queries[:512]) if args.variants else [],
+        "variants": await embedder_variants(queries[:512], default) if args.variants else [],
     }
 
 
@@ -440,12 +465,13 @@ def write_report(result: dict[str, Any], out: Path) -> None:
     lines = [
         "# Semantic cache lookup speed",
         "",
-        "Generated by `.venv/bin/python bench/cache_speed.py`. The cache step as the gateway runs it",
-        "(`ResponseCache.plan` + `ResponseCache.find`: exact lookup in Redis, then embed, search the local",
+        f"Generated by `.venv/bin/python bench/cache_speed.py{result['arguments']}`.",
+        "The cache step as the gateway runs it (`ResponseCache.plan` + `ResponseCache.find`: exact lookup in",
+        "Redis, then embed, search the local",
         "index, verify, fetch the answer from Redis), over "
         f"**{result['entries']:,} entries in one scope**, on **one core** ({result['cpu']}, CPU "
         f"{result['core']}; torch and BLAS on one thread; redis-server on CPU {result['redis_core']}; "
-        f"niceness {result['nice']}). Embedder as configured by default: {result['model']}.",
+        f"niceness {result['nice']}). Embedder: {result['model']} ({result['settings']}).",
         "",
         "| concurrent lookups | lookups | p50 | p99 | bar (p99) | CPU per lookup | lookups/s | mean batch | hits "
         "| machine busy |",
@@ -604,7 +630,7 @@ def _concurrent(many: Phase, others: float, variants: list[dict[str, Any]]) -> l
         f"measured p50, {many.ms(50):.0f} ms, adds the waits for a CPU {many.machine_busy:.0%} busy); the bar needs "
         f"about {bar / 32:.1f} ms of CPU per lookup, all steps included."
     )
-    default = _variant(variants, DEFAULT_PRECISION)
+    default = next((v for v in variants if v["name"].endswith(DEFAULT_MARK)), None)
     if default:
         text += (
             f" The model alone costs {default['batch_cpu_ms']:.1f} ms per text in batches of {VARIANT_BATCH} with "
@@ -618,8 +644,8 @@ def _levers(variants: list[dict[str, Any]]) -> list[str]:
     """What made the model cheaper in this run's table, and what would go further."""
     previous, direct32 = _variant(variants, "float32, encode"), _variant(variants, "float32, direct")
     bf16, int8 = _variant(variants, "bfloat16, direct"), _variant(variants, "int8")
-    plain = _variant(variants, PLAIN_BFLOAT16)
-    if not (previous and direct32 and bf16 and int8 and plain):
+    plain, onnx = _variant(variants, PLAIN_BFLOAT16), _variant(variants, ONNX_FLOAT32)
+    if not (previous and direct32 and bf16 and int8 and plain and onnx):
         return []
     return [
         "- **Where the model's cost went**, from the table above: calling the tokenizer and transformer directly "
@@ -636,7 +662,12 @@ def _levers(variants: list[dict[str, Any]]) -> list[str]:
             f"which need them), costs {bf16['single_cpu_ms']:.1f} ms lone and {bf16['batch_cpu_ms']:.1f} ms in a "
             "batch, which is why the default precision, `auto`, runs float32 here. It moves cosines by "
             f"{bf16['drift_mean']:.4f} on average and at most {bf16['drift_max']:.4f}."
-        ),
+        )
+        + f" The float32 model on ONNX Runtime (fused kernels, little per-operation overhead) took "
+        f"{onnx['single_cpu_ms']:.1f} ms lone and {onnx['batch_cpu_ms']:.1f} ms per text in batches, "
+        f"{direct32['single_cpu_ms'] / onnx['single_cpu_ms']:.1f}x and "
+        f"{direct32['batch_cpu_ms'] / onnx['batch_cpu_ms']:.1f}x less than PyTorch's float32 direct path, with its "
+        f"vectors (gap {onnx['gap_max']:.0e}).",
         f"- **What would go further**: int8 dynamic quantisation ({int8['single_cpu_ms']:.1f} ms lone, "
         f"{int8['batch_cpu_ms']:.1f} ms per text in batches here, through `encode`, so without length groups) "
         f"moves cosines by up to {int8['drift_max']:.2f}: the verifier would have to be retrained on its vectors "
@@ -652,10 +683,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core", type=int, default=None, help="CPU to pin to (default: the last one)")
     parser.add_argument("--pairs", default=None, help="qqp_val.csv (default: shared/data)")
     parser.add_argument("--component-samples", type=int, default=200)
+    parser.add_argument(
+        "--lookups-scale",
+        type=float,
+        default=1.0,
+        help="timed lookups per level, relative to the default (a smoke run)",
+    )
+    parser.add_argument("--precision", choices=PRECISION_SETTINGS, default="auto", help="cache.semantic.precision")
+    parser.add_argument("--runtime", choices=RUNTIMES, default="auto", help="cache.semantic.runtime")
     parser.add_argument("--no-variants", dest="variants", action="store_false", help="skip the numeric formats")
     parser.add_argument("--out", type=Path, default=RESULTS / "cache-speed.md")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
+    result["arguments"] = "".join(f" {word}" for word in (sys.argv[1:] if argv is None else argv))
     write_report(result, args.out)
     print(f"wrote {args.out}")
     return 0
