@@ -14,13 +14,15 @@ Runs the cache's real decision path on the held-out half of ``qqp_val.csv`` (see
   labels; a hit on any other entry counts as wrong, even unlabelled ones (pessimistic).
 
 Plain cosine thresholds (the previous method) are measured on the same vectors. Writes
-``bench/results/cache-quality.md`` and ``cache-quality.png``. Uses one torch thread.
+``bench/results/cache-quality.md`` and ``cache-quality.png``. Uses one thread. ``--precision``
+and ``--runtime`` run the embedder with those settings (default: as the gateway would here).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cache_quality_report import Curve, Report, Timings, write_report  # noqa: E402
 from bench.qqp_pairs import SPLIT_SEED, duplicate_clusters, load_pairs, split_pairs  # noqa: E402
+from cache.config import PRECISION_SETTINGS, RUNTIMES  # noqa: E402
 from cache.embedder import SentenceTransformerEmbedder, default_model_dir  # noqa: E402
 from cache.pair_features import FloatArray  # noqa: E402
 from cache.semantic_verifier import Candidate, SemanticVerifier, VerifierParams  # noqa: E402
@@ -113,15 +116,21 @@ def run(args: argparse.Namespace) -> Report:
 
         async def embed_phase() -> tuple[FloatArray, Timings, Timings, FloatArray | None]:
             batched = Timings()
-            async with SentenceTransformerEmbedder(args.model_dir, threads=1) as embedder:
+            async with SentenceTransformerEmbedder(
+                args.model_dir, threads=1, precision=args.precision, runtime=args.runtime
+            ) as embedder:
                 vectors = await embed_all(embedder, texts, progress, batched)
                 latency = await embed_latency(embedder, texts[:LATENCY_SAMPLES])
+                run_as.append(f"{embedder.precision}, {embedder.path} path")
             if args.model_dir is not None:
                 return vectors, latency, batched, None
             # The packaged model without the fine-tuned layers, for comparison.
-            async with SentenceTransformerEmbedder(default_model_dir(), threads=1) as untuned:
+            async with SentenceTransformerEmbedder(
+                default_model_dir(), threads=1, precision=args.precision, runtime=args.runtime
+            ) as untuned:
                 return vectors, latency, batched, await embed_all(untuned, texts, progress, Timings())
 
+        run_as: list[str] = []
         matrix, embed_seconds, embed_batched, untuned_matrix = asyncio.run(embed_phase())
         vectors = {text: matrix[i] for i, text in enumerate(texts)}
         u = np.vstack([vectors[p.question1] for p in held_out])
@@ -204,6 +213,7 @@ def run(args: argparse.Namespace) -> Report:
         sketch_agreement=agree,
         sketch_checked=len(eligible),
         untuned_cosine=untuned_cosine,
+        embedder_run=run_as[0],
     )
 
 
@@ -214,10 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-dir", help="sentence-transformers model directory (default: the packaged MiniLM, fine-tuned layers)"
     )
+    parser.add_argument("--precision", choices=PRECISION_SETTINGS, default="auto", help="cache.semantic.precision")
+    parser.add_argument("--runtime", choices=RUNTIMES, default="auto", help="cache.semantic.runtime")
     parser.add_argument("--out", default=str(RESULTS), help="directory for cache-quality.md and .png")
     parser.add_argument("--limit", type=int, default=0, help="only the first N held-out pairs (smoke test)")
     args = parser.parse_args(argv)
-    report = run(args)
+    report = dataclasses.replace(
+        run(args), arguments="".join(f" {word}" for word in (sys.argv[1:] if argv is None else argv))
+    )
     markdown = write_report(report, Path(args.out))
     print(markdown)
     return 0
