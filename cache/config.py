@@ -115,8 +115,8 @@ DEFAULT_RUNTIME: Runtime = "auto"
 # (docs/semantic-cache.md, "Precision"); on a CPU without them it is slower (2-4x) than
 # float32. "auto" (the default) picks bfloat16 only where the CPU has those instructions.
 # There PyTorch's bfloat16 (prepacked) was a little cheaper than float32 on ONNX Runtime
-# (AMD EPYC with AVX512-BF16: 4.0-4.5 against 4.7-4.9 ms lone, 1.7-1.8 against 2.2-2.3 ms per
-# text in batches of 32).
+# (bench/results/cache-speed.md, AMD EPYC with AVX512-BF16: 4.3 against 5.1 ms of CPU for a
+# lone question, 2.0 against 2.4 ms per question in batches of 32).
 Precision = Literal["float32", "bfloat16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 PrecisionSetting = Literal["auto", "float32", "bfloat16"]

@@ -3,10 +3,10 @@
 PyTorch runs a lone ~15-token question through some hundred small operations, each with its
 dispatch overhead; the matrix products themselves are a small part of the time. ONNX Runtime
 runs the same graph with fused kernels and little per-operation cost. Measured on QQP
-questions, one thread of an AMD EPYC with AVX2 (``bench/results/cache-speed.md`` has the
-benchmark's own run): a lone question 4.2 ms of CPU against 8.3 ms for PyTorch's direct
-path, a question in a batch of 32 (length groups in both) 2.5 against 4.7 ms; the vectors
-agree to float rounding (largest 1 - cosine 3e-7).
+questions, one thread of an AMD EPYC, taking turns (``bench/results/cache-speed.md``): a
+lone question 5.1 ms of CPU against 8.1 ms for PyTorch's direct path, a question in a batch
+of 32 (length groups in both) 2.4 against 5.0 ms; the vectors agree to float rounding
+(largest 1 - cosine against ``encode`` 4.8e-7).
 
 ``OnnxDirect.export`` traces the loaded transformer (with whatever layers were applied to it)
 together with its pooling and L2 norm into an ONNX graph (~1.5 s at start-up, in a temporary
