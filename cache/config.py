@@ -115,7 +115,7 @@ DEFAULT_RUNTIME: Runtime = "auto"
 # (docs/semantic-cache.md, "Precision"); on a CPU without them it is slower (2-4x) than
 # float32. "auto" (the default) picks bfloat16 only where the CPU has those instructions.
 # There PyTorch's bfloat16 (prepacked) was a little cheaper than float32 on ONNX Runtime
-# (bench/results/cache-speed.md, AMD EPYC with AVX512-BF16: 4.3 against 5.1 ms of CPU for a
+# (bench/results/cache-speed.md, AMD EPYC with AVX512-BF16: 4.6 against 5.5 ms of CPU for a
 # lone question, 2.0 against 2.4 ms per question in batches of 32).
 Precision = Literal["float32", "bfloat16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)

@@ -4,8 +4,8 @@ PyTorch runs a lone ~15-token question through some hundred small operations, ea
 dispatch overhead; the matrix products themselves are a small part of the time. ONNX Runtime
 runs the same graph with fused kernels and little per-operation cost. Measured on QQP
 questions, one thread of an AMD EPYC, taking turns (``bench/results/cache-speed.md``): a
-lone question 5.1 ms of CPU against 8.1 ms for PyTorch's direct path, a question in a batch
-of 32 (length groups in both) 2.4 against 5.0 ms; the vectors agree to float rounding
+lone question 5.5 ms of CPU against 8.8 ms for PyTorch's direct path, a question in a batch
+of 32 (length groups in both) 2.4 against 5.2 ms; the vectors agree to float rounding
 (largest 1 - cosine against ``encode`` 4.8e-7).
 
 ``OnnxDirect.export`` traces the loaded transformer (with whatever layers were applied to it)
