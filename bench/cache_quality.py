@@ -114,24 +114,23 @@ def run(args: argparse.Namespace) -> Report:
     columns = (*Progress.get_default_columns()[:-1], MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns) as progress:
 
-        async def embed_phase() -> tuple[FloatArray, Timings, Timings, FloatArray | None]:
+        async def embed_phase() -> tuple[FloatArray, Timings, Timings, FloatArray | None, str]:
             batched = Timings()
             async with SentenceTransformerEmbedder(
                 args.model_dir, threads=1, precision=args.precision, runtime=args.runtime
             ) as embedder:
                 vectors = await embed_all(embedder, texts, progress, batched)
                 latency = await embed_latency(embedder, texts[:LATENCY_SAMPLES])
-                run_as.append(f"{embedder.precision}, {embedder.path} path")
+                run_as = f"{embedder.precision}, {embedder.path} path"
             if args.model_dir is not None:
-                return vectors, latency, batched, None
+                return vectors, latency, batched, None, run_as
             # The packaged model without the fine-tuned layers, for comparison.
             async with SentenceTransformerEmbedder(
                 default_model_dir(), threads=1, precision=args.precision, runtime=args.runtime
             ) as untuned:
-                return vectors, latency, batched, await embed_all(untuned, texts, progress, Timings())
+                return vectors, latency, batched, await embed_all(untuned, texts, progress, Timings()), run_as
 
-        run_as: list[str] = []
-        matrix, embed_seconds, embed_batched, untuned_matrix = asyncio.run(embed_phase())
+        matrix, embed_seconds, embed_batched, untuned_matrix, run_as = asyncio.run(embed_phase())
         vectors = {text: matrix[i] for i, text in enumerate(texts)}
         u = np.vstack([vectors[p.question1] for p in held_out])
         v = np.vstack([vectors[p.question2] for p in held_out])
@@ -213,7 +212,7 @@ def run(args: argparse.Namespace) -> Report:
         sketch_agreement=agree,
         sketch_checked=len(eligible),
         untuned_cosine=untuned_cosine,
-        embedder_run=run_as[0],
+        embedder_run=run_as,
     )
 
 

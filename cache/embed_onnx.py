@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cache.embed_model import Embeddings, length_groups
+from cache.embed_model import Embeddings, length_groups, mean_pool
 
 # The ONNX operator set the graph is written in: 17 has LayerNormalization, which keeps
 # BERT's layer norms one fused kernel; ONNX Runtime 1.20 and later run it.
@@ -52,11 +52,7 @@ def _pooled_model(transformer: Any, pooling: str, input_names: Sequence[str]) ->
         def forward(self, *inputs: Any) -> Any:
             features = dict(zip(input_names, inputs, strict=True))
             hidden = self.transformer(**features)[0]
-            if pooling == "cls":
-                pooled = hidden[:, 0]
-            else:
-                mask = features["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            pooled = hidden[:, 0] if pooling == "cls" else mean_pool(hidden, features["attention_mask"])
             return torch.nn.functional.normalize(pooled, p=2, dim=1)
 
     return Pooled().eval()
