@@ -45,5 +45,7 @@ def test_a_reduced_run_writes_a_full_report(tmp_path: Path) -> None:
     counts = re.search(r"Held-out: 200 pairs, (\d+) duplicates, (\d+) non-duplicates", report)
     assert counts is not None and int(counts[1]) + int(counts[2]) == 200
     assert re.search(r"pairwise \*\*(met|not met)\*\* \(recall [\d.]+ at [\d.]+% false hits\)", report)
+    # Whether any one threshold could meet the bar in both measures, read off this half.
+    assert re.search(r"at all: (yes, with recall|no, the weaker measure's recall is) [\d.]+", report)
     assert len(re.findall(r"^\| \d+\.\d% \| [\d.]+ \|", report, re.M)) >= 5  # the curve's rows
     assert re.search(r"^\| embed one query \(concurrency 1, one thread\) \| [\d.]+ ms", report, re.M)
