@@ -20,10 +20,10 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import openai
 import pytest
@@ -59,8 +59,16 @@ REPLICA_HEADER = "x-fleetgate-replica"
 # start, even if the test process gets no CPU for a few seconds meanwhile (seen here while
 # vLLM generates): eight requests of 4000 tokens keep one replica busy for 15 s or more.
 LONG_TOKENS = 4000
-N_STREAMS = 4
+# Few streams: relaying thousands of chunks a second keeps this test's event loop and the
+# gateway's busy, which delays the control calls that lead up to the kill.
+N_STREAMS = 2
 N_PINNED = 4
+# A long request answered by the killed replica itself must have ended before the kill;
+# this test's busy event loop may see its answer this much later (a retry of 4000 tokens
+# elsewhere takes longer than that).
+RELAY_SLACK_S = 2.0
+
+T = TypeVar("T")
 RESTART_TIMEOUT_S = 240.0
 BURST_TOKENS = 1024
 
@@ -288,6 +296,12 @@ async def steady_load(client: AsyncOpenAI, worker: int, go: asyncio.Event, resul
         i += 1
 
 
+async def finished_at(call: Awaitable[T]) -> tuple[float, T]:
+    """``call``'s result with the monotonic time it came back."""
+    result = await call
+    return time.monotonic(), result
+
+
 def undrain_and_kill(
     fleet: E2EGateway,
     target: str,
@@ -297,7 +311,8 @@ def undrain_and_kill(
     results: list[Result],
 ) -> tuple[float, float, dict[str, Any]]:
     """Once the long requests are in flight on ``target``: undrain ``other``, start the steady
-    load, and SIGKILL ``pid`` after a few steady requests (at most 3 s later).
+    load, and SIGKILL ``pid`` once a steady request was answered (at most 1 s later: the long
+    requests must not run out meanwhile).
 
     Returns (monotonic and wall-clock time of the kill, the target's snapshot before it).
     """
@@ -308,13 +323,14 @@ def undrain_and_kill(
     )
     print(f"[e2e] {n} requests seen in flight on {target} after {waited:.2f} s", flush=True)
     fleet.admin_post(other, "undrain")
-    fleet.wait_fleet_sync(lambda s: s[other]["state"] == "healthy", 30, f"{other} back in rotation")
+    back, _ = fleet.wait_fleet_sync(lambda s: s[other]["state"] == "healthy", 30, f"{other} back in rotation")
     start_load()
-    deadline = time.monotonic() + 3.0
-    while len(results) < 4 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 1.0
+    while not results and time.monotonic() < deadline:
         time.sleep(0.02)
     killed_at, killed_wall = time.monotonic(), time.time()
     os.kill(pid, signal.SIGKILL)
+    print(f"[e2e] {other} back after {back:.2f} s; killed at {killed_at:.2f} ({len(results)} steady done)", flush=True)
     return killed_at, killed_wall, snap[target]
 
 
@@ -347,8 +363,10 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
     #    replica drained it is the only one the gateway may pick.
     await fleet.drain(other)
     started = [asyncio.Event() for _ in range(N_STREAMS)]
-    streams = [asyncio.create_task(long_stream(client, f"stream {i}", started[i])) for i in range(N_STREAMS)]
-    pinned = [asyncio.create_task(chat(client, f"pinned {i}", LONG_TOKENS)) for i in range(N_PINNED)]
+    streams = [
+        asyncio.create_task(finished_at(long_stream(client, f"stream {i}", started[i]))) for i in range(N_STREAMS)
+    ]
+    pinned = [asyncio.create_task(finished_at(chat(client, f"pinned {i}", LONG_TOKENS))) for i in range(N_PINNED)]
     go = asyncio.Event()
     results: list[Result] = []
     workers = [asyncio.create_task(steady_load(client, w, go, results)) for w in range(4)]
@@ -386,24 +404,42 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
     after_kill = sum(killed_at < r.done_at < stopped_at for r in results)
     assert after_kill >= 4, f"too little steady load to show anything: {after_kill} requests after the kill"
 
+    # Each long request either ran out on the target before the kill (a fast machine gets
+    # through 4000 tokens in a few seconds) or was retried on the survivor; at least half
+    # must have been in flight, or the test showed nothing.
+    moved = 0
     for outcome in retried:
         assert not isinstance(outcome, BaseException), f"a request in flight on the killed replica failed: {outcome!r}"
-        replica, reply = outcome
-        assert replica == other, f"expected a retry on {other}, got {replica} (finished before the kill?)"
+        done_at, (replica, reply) = outcome
         assert reply.usage is not None and reply.usage.completion_tokens == LONG_TOKENS
+        if replica == target:
+            assert done_at < killed_at + RELAY_SLACK_S, f"{target} answered {done_at - killed_at:.2f} s after its kill"
+            continue
+        assert replica == other, f"expected a retry on {other}, got {replica!r}"
+        moved += 1
+    print(f"[e2e] long requests retried on {other}: {moved} of {N_PINNED}", flush=True)
+    assert moved >= N_PINNED // 2, f"only {moved} of {N_PINNED} long requests were still running at the kill"
     retries = await fleet.counter("fleetgate_retries_total") - retries_before
-    assert retries >= N_PINNED, f"the gateway counted {retries} retries; {N_PINNED} requests were retried"
+    assert retries >= moved, f"the gateway counted {retries} retries; {moved} requests were retried"
 
-    for o in outcomes:
-        assert isinstance(o, StreamOutcome), f"a stream failed outside the SSE error path: {o!r}"
+    cut = 0
+    for ended in outcomes:
+        assert not isinstance(ended, BaseException), f"a stream failed outside the SSE error path: {ended!r}"
+        done_at, o = ended
         print(f"[e2e] stream on {o.replica}: {o.chunks} chunks, then {o.error!r}", flush=True)
         assert o.replica == target
-        assert o.error is not None, f"a stream on {target} ended normally ({o.chunks} chunks): done before the kill"
+        if o.error is None:
+            # Ran out before the kill, like a long request above.
+            assert done_at < killed_at + RELAY_SLACK_S, f"a stream on {target} ended normally after its kill"
+            assert o.tokens == LONG_TOKENS
+            continue
         assert not isinstance(o.error, openai.APIConnectionError), "the stream was cut without an error event"
         assert error_code(o.error) == "upstream_stream_error", o.error.body
         assert 0 < o.chunks < LONG_TOKENS and o.tokens is None
+        cut += 1
+    assert cut >= N_STREAMS // 2, f"only {cut} of {N_STREAMS} streams were still running at the kill"
     stream_errors = await fleet.counter("fleetgate_stream_errors_total") - stream_errors_before
-    assert stream_errors >= N_STREAMS
+    assert stream_errors >= cut
 
     # 3. The launcher starts a new server; it joins the rotation once /health answers.
     _, snap = await fleet.wait_fleet(
