@@ -55,9 +55,10 @@ pytestmark = pytest.mark.e2e
 IGNORE_EOS = {"ignore_eos": True}
 PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story about a gateway."}]
 REPLICA_HEADER = "x-fleetgate-replica"
-# Long enough to still be generating when the replica dies, a second or two after they
-# start, even if the test process gets no CPU for a few seconds meanwhile (seen here while
-# vLLM generates): eight requests of 4000 tokens keep one replica busy for 15 s or more.
+# As long as the tiny model's 4096 positions allow, to still be generating when the
+# replica dies a second or two after they start. How long that lasts depends on the
+# machine: eight such requests kept one replica busy for 15 s or more on a busy one; on a
+# quiet one they ran out within a few seconds, which is why the kill follows them closely.
 LONG_TOKENS = 4000
 # Few streams: relaying thousands of chunks a second keeps this test's event loop and the
 # gateway's busy, which delays the control calls that lead up to the kill.
@@ -67,10 +68,10 @@ N_PINNED = 4
 # this test's busy event loop may see its answer this much later (a retry of 4000 tokens
 # elsewhere takes longer than that).
 RELAY_SLACK_S = 2.0
-
-T = TypeVar("T")
 RESTART_TIMEOUT_S = 240.0
 BURST_TOKENS = 1024
+
+T = TypeVar("T")
 
 
 def messages(tag: str) -> list[ChatCompletionMessageParam]:
