@@ -8,9 +8,10 @@ tiny model; vLLM takes about a minute to start):
 2. Chat and legacy completions, streamed and not, with exact token counts; both replicas
    serve; an endpoint vLLM lacks comes back as an OpenAI error.
 3. ``vllm:num_requests_running``, scraped into ``/admin/fleet``, rises under a burst.
-4. One replica's API server is SIGKILLed under steady load: no non-streaming request fails
-   (the ones it was working on are retried on the other), the streams it was serving end
-   with an error event, and the launcher restarts it until it serves again.
+4. One replica's API server is frozen (SIGSTOP) while long requests run on it, then SIGKILLed
+   under steady load: no non-streaming request fails (the ones it was working on are
+   retried on the other), the streams it was serving end with an error event, and the
+   launcher restarts it until it serves again.
 """
 
 from __future__ import annotations
@@ -59,15 +60,16 @@ REPLICA_HEADER = "x-fleetgate-replica"
 # As long as the tiny model's 4096 positions allow, to still be generating when the
 # replica dies a second or two after they start. How long that lasts depends on the
 # machine: eight such requests kept one replica busy for 15 s or more on a busy one; on a
-# quiet one they ran out within a few seconds, which is why the kill follows them closely.
+# quiet one they ran out within a few seconds, which is why the test freezes the replica
+# as soon as they have begun.
 LONG_TOKENS = 4000
 # Few streams: relaying thousands of chunks a second keeps this test's event loop and the
 # gateway's busy, which delays the control calls that lead up to the kill.
 N_STREAMS = 2
 N_PINNED = 6
-# A long request answered by the killed replica itself must have ended before the kill;
-# this test's busy event loop may see its answer this much later (a retry of 4000 tokens
-# elsewhere takes longer than that).
+# A long request answered by the killed replica itself must have ended before it was
+# frozen; this test's busy event loop may see its answer this much later (a retry of 4000
+# tokens elsewhere takes longer than that).
 RELAY_SLACK_S = 2.0
 RESTART_TIMEOUT_S = 240.0
 BURST_TOKENS = 1024
@@ -377,9 +379,9 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
         # stays short of the health probes' 15 s timeout, so the gateway sees what it
         # would of a plain SIGKILL.
         os.kill(old_pid, signal.SIGSTOP)
-        # When the long requests were seen started, and (below) when the worker thread ran: a
-        # CI run once timed out waiting for them in flight only after they had all ended.
-        print(f"[e2e] streams started at {time.monotonic():.2f}", flush=True)
+        frozen_at = time.monotonic()
+        # When the replica was frozen, and (below) when the worker thread ran.
+        print(f"[e2e] streams started, {target} frozen at {frozen_at:.2f}", flush=True)
         # 2. Undrain the other replica, start the steady load, SIGKILL the target's API server,
         #    all from a worker thread: the kill must not wait for turns of this event loop
         #    (busy with the streams).
@@ -412,7 +414,7 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
     after_kill = sum(killed_at < r.done_at < stopped_at for r in results)
     assert after_kill >= 4, f"too little steady load to show anything: {after_kill} requests after the kill"
 
-    # Each long request either ran out on the target before the kill (a fast machine gets
+    # Each long request either ran out on the target before the freeze (a fast machine gets
     # through 4000 tokens in a few seconds) or was retried on the survivor; at least half
     # must have been in flight, or the test showed nothing.
     moved = 0
@@ -421,7 +423,7 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
         done_at, (replica, reply) = outcome
         assert reply.usage is not None and reply.usage.completion_tokens == LONG_TOKENS
         if replica == target:
-            assert done_at < killed_at + RELAY_SLACK_S, f"{target} answered {done_at - killed_at:.2f} s after its kill"
+            assert done_at < frozen_at + RELAY_SLACK_S, f"{target} answered {done_at - frozen_at:.2f} s after freezing"
             continue
         assert replica == other, f"expected a retry on {other}, got {replica!r}"
         moved += 1
@@ -437,8 +439,8 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
         print(f"[e2e] stream on {o.replica}: {o.chunks} chunks, then {o.error!r}", flush=True)
         assert o.replica == target
         if o.error is None:
-            # Ran out before the kill, like a long request above.
-            assert done_at < killed_at + RELAY_SLACK_S, f"a stream on {target} ended normally after its kill"
+            # Ran out before the freeze, like a long request above.
+            assert done_at < frozen_at + RELAY_SLACK_S, f"a stream on {target} ended normally after its freeze"
             assert o.tokens == LONG_TOKENS
             continue
         assert not isinstance(o.error, openai.APIConnectionError), "the stream was cut without an error event"
