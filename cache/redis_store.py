@@ -27,9 +27,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -37,6 +34,8 @@ from cache.config import CacheServiceSettings
 from cache.keys import split_key
 from cache.store import CacheUnavailable
 from limits.breaker import BreakerConfig, CircuitBreaker
+from redisconn.config import RedisSecurity
+from redisconn.factory import ClientOptions, RedisClient, connect
 
 log = logging.getLogger("fleetgate.cache")
 
@@ -83,7 +82,7 @@ class RedisStore:
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         *,
         lookup_timeout_s: float,
         store_timeout_s: float,
@@ -91,8 +90,12 @@ class RedisStore:
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.monotonic,
         owns_client: bool = True,
+        max_in_flight: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self._client = client
+        # One connection per call in flight: a pool of max_connections never runs dry (a
+        # cluster or sentinel pool would raise instead of waiting; redisconn.factory).
+        self._in_flight = asyncio.Semaphore(max_in_flight)
         self._lookup_timeout_s = lookup_timeout_s
         self._store_timeout_s = store_timeout_s
         self.breaker = breaker or CircuitBreaker()
@@ -112,31 +115,30 @@ class RedisStore:
         prefix: str = DEFAULT_PREFIX,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         clock: Callable[[], float] = time.monotonic,
+        security: RedisSecurity | None = None,
     ) -> RedisStore:
-        """A store with its own connection pool, tuned to fail fast."""
-        slowest = max(settings.lookup_timeout_s, settings.store_timeout_s)
-        pool = BlockingConnectionPool.from_url(
-            url,
+        """A store with its own connections (any scheme of ``redisconn``), tuned to fail fast."""
+        options = ClientOptions(
+            socket_timeout_s=max(settings.lookup_timeout_s, settings.store_timeout_s),
+            connect_timeout_s=settings.lookup_timeout_s,
             max_connections=max_connections,
             # Waiting for a free connection counts against the lookup's deadline.
-            timeout=settings.lookup_timeout_s,
-            socket_timeout=slowest,
-            socket_connect_timeout=settings.lookup_timeout_s,
+            pool_timeout_s=settings.lookup_timeout_s,
             # No client-side retries: the breaker decides when Redis is tried again; a retry
             # loop would multiply every request's latency while Redis is down.
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
+            connection_retries=0,
         )
         breaker = CircuitBreaker(
             BreakerConfig(failures=settings.breaker_failures, cooldown_s=settings.breaker_cooldown_s)
         )
         return cls(
-            Redis.from_pool(pool),  # owns the pool: closing the client closes it
+            connect(url, options, security),
             lookup_timeout_s=settings.lookup_timeout_s,
             store_timeout_s=settings.store_timeout_s,
             breaker=breaker,
             prefix=prefix,
             clock=clock,
+            max_in_flight=max_connections,
         )
 
     def redis_keys(self, key: str) -> tuple[str, str, str]:
@@ -165,7 +167,7 @@ class RedisStore:
         return int(evicted)
 
     @property
-    def client(self) -> Redis:
+    def client(self) -> RedisClient:
         """The shared client (the semantic cache's store runs its scripts on the same pool)."""
         return self._client
 
@@ -184,7 +186,7 @@ class RedisStore:
         if not self.breaker.allow(self._clock()):
             raise CacheUnavailable("redis: circuit open", reason="circuit_open")
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s), self._in_flight:
                 result = await call()
         except (RedisError, OSError, TimeoutError) as exc:
             if self.breaker.record_failure(self._clock()):

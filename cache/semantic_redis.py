@@ -1,7 +1,8 @@
 """The semantic cache's entries in plain Redis (7.0, no vector search), shared by every process.
 
 Layout: every key sits under one hash tag, so each script touches one slot (and runs on
-Redis Cluster, where all semantic traffic then lands on one shard)::
+Redis Cluster, where all semantic traffic then lands on one shard: the price of one
+ordered change stream that every process tails; docs/configuration.md weighs it)::
 
     {fg:s}:e:<id>          hash    scope, text, vec (float16 bytes), key (the answer's exact
                                    key), exp (ms since the epoch, Redis TIME); PX = the TTL
@@ -26,13 +27,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from cache.config import DEFAULT_STREAM_MAX_LEN
 from cache.keys import split_key
 from cache.redis_store import RedisStore
 from cache.semantic_index import SemanticEntry, decode_vector, encode_vector
 from cache.semantic_store import PutResult
+from redisconn.factory import RedisClient
 
 DEFAULT_TAG = "{fg:s}"
 # Hashes fetched per SCAN page during a full load: big enough to amortise round trips,
@@ -203,7 +205,7 @@ class SemanticLog:
     request path's pool fails fast, in tens of milliseconds).
     """
 
-    def __init__(self, client: Redis, dimension: int, *, keys: SemanticKeys | None = None) -> None:
+    def __init__(self, client: RedisClient, dimension: int, *, keys: SemanticKeys | None = None) -> None:
         self._client = client
         self._dimension = dimension
         self.keys = keys or SemanticKeys()
@@ -219,7 +221,7 @@ class SemanticLog:
         cursor = 0
         match = self.keys.entry_prefix + "*"
         while True:
-            cursor, names = await self._client.scan(cursor, match=match, count=SCAN_PAGE)
+            cursor, names = await self._scan(cursor, match)
             if names:
                 async with self._client.pipeline(transaction=False) as pipe:
                     for name in names:
@@ -230,6 +232,19 @@ class SemanticLog:
                 yield [entry for entry in page if entry is not None]
             if cursor == 0:
                 return
+
+    async def _scan(self, cursor: int, match: str) -> tuple[int, list[Any]]:
+        client = self._client
+        if not isinstance(client, RedisCluster):
+            found: tuple[int, list[Any]] = await client.scan(cursor, match=match, count=SCAN_PAGE)
+            return found
+        # SCAN walks one node. Every entry shares the tag's slot, so only that slot's primary
+        # is asked; redis-py answers per node: ({node: cursor}, names).
+        await client.initialize()
+        node = client.get_node_from_key(self.keys.tag)
+        reply: Any = await client.scan(cursor, match=match, count=SCAN_PAGE, target_nodes=node)
+        cursors, names = reply
+        return int(next(iter(cursors.values()), 0)), list(names)
 
     async def read(self, after: str, *, count: int, block_ms: int) -> list[Event]:
         """Events after stream id ``after``, waiting at most ``block_ms`` for the first."""

@@ -36,8 +36,6 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
-from redis.asyncio import Redis
-
 from cache.coalesce import Coalescer, Leader, Wake
 from cache.config import CacheServiceSettings, CacheSettings
 from cache.entry import CachedCompletion, EntryCorrupt, Kind, StreamCollector
@@ -49,6 +47,8 @@ from cache.semantic import SEMANTIC, SemanticCache
 from cache.semantic_redis import RedisSemanticStore, SemanticLog
 from cache.semantic_store import MemorySemanticStore, SemanticStore
 from cache.store import CacheStore, CacheUnavailable
+from redisconn.config import RedisSecurity
+from redisconn.factory import ClientOptions, connect
 
 log = logging.getLogger("fleetgate.cache")
 
@@ -58,6 +58,8 @@ SEMANTIC_NO_TEXT = "semantic_no_text"  # no last user message / single prompt st
 SEMANTIC_LONG_TEXT = "semantic_long_text"  # longer than cache.semantic.max_text_chars
 # The sync connection's reads block up to sync_block_ms; its socket may wait this much longer.
 SYNC_SOCKET_SLACK_S = 2.0
+# The sync blocks on one stream read at a time; spares cover a load or a position check beside it.
+SYNC_MAX_CONNECTIONS = 4
 # The stores bound their own calls; this outer bound only catches a store that does not,
 # and is wider so that a store's own timeout (which feeds its breaker) fires first.
 BACKSTOP_FACTOR = 2.0
@@ -323,35 +325,39 @@ def create_response_cache(
     metrics: CacheMetrics,
     *,
     start_semantic: bool = False,
+    security: RedisSecurity | None = None,
 ) -> ResponseCache:
     """The gateway's cache: exact over memory or Redis, and the semantic cache beside it.
 
     The semantic cache loads nothing until started: at entry when ``start_semantic`` (a
     configured tenant enables it), else on the first request of a tenant that does.
     """
-    store = create_cache_store(redis_url, settings)
+    store = create_cache_store(redis_url, settings, security=security)
     semantic_store: SemanticStore
     log_source: Callable[[int], SemanticLog] | None = None
     if isinstance(store, RedisStore):
         assert redis_url is not None
         semantic_store = RedisSemanticStore(store, stream_max_len=settings.semantic.stream_max_len)
-        log_source = _log_source(redis_url, settings)
+        log_source = _log_source(redis_url, settings, security)
     else:
         semantic_store = MemorySemanticStore()
     semantic = SemanticCache(settings.semantic, semantic_store, metrics, log_source=log_source)
     return ResponseCache(store, settings, metrics, semantic=semantic, start_semantic=start_semantic)
 
 
-def _log_source(redis_url: str, settings: CacheServiceSettings) -> Callable[[int], SemanticLog]:
-    """A factory of the sync's reader, on a connection of its own that may block."""
+def _log_source(
+    redis_url: str, settings: CacheServiceSettings, security: RedisSecurity | None
+) -> Callable[[int], SemanticLog]:
+    """A factory of the sync's reader, on connections of its own that may block."""
+    options = ClientOptions(
+        socket_timeout_s=settings.semantic.sync_block_ms / 1000 + SYNC_SOCKET_SLACK_S,
+        connect_timeout_s=SYNC_SOCKET_SLACK_S,
+        max_connections=SYNC_MAX_CONNECTIONS,
+        pool_timeout_s=SYNC_SOCKET_SLACK_S,
+    )
 
     def source(dimension: int) -> SemanticLog:
-        client = Redis.from_url(
-            redis_url,
-            socket_timeout=settings.semantic.sync_block_ms / 1000 + SYNC_SOCKET_SLACK_S,
-            socket_connect_timeout=SYNC_SOCKET_SLACK_S,
-        )
-        return SemanticLog(client, dimension)
+        return SemanticLog(connect(redis_url, options, security), dimension)
 
     return source
 
@@ -361,9 +367,10 @@ def create_cache_store(
     settings: CacheServiceSettings | None = None,
     *,
     clock: Callable[[], float] = time.monotonic,
+    security: RedisSecurity | None = None,
 ) -> CacheStore:
     """The Redis store when ``redis_url`` is set (shared by all gateways), else memory."""
     settings = settings or CacheServiceSettings()
     if redis_url is None:
         return MemoryStore(clock)
-    return RedisStore.from_url(redis_url, settings, clock=clock)
+    return RedisStore.from_url(redis_url, settings, clock=clock, security=security)

@@ -102,11 +102,13 @@ class TenantLimits(ScopeLimits):
         )
 
 
-def reservation(prompt_tokens: int, max_tokens: int | None, limits: TenantLimits) -> int:
+def reservation(prompt_tokens: int, max_tokens: int | None, limits: TenantLimits, choices: int = 1) -> int:
     """Tokens to reserve at admission: the prompt estimate plus what the answer may use.
 
-    The reservation is settled to the real usage when the response ends, so erring high
-    only delays other requests briefly; erring low could overrun a quota.
+    ``choices`` is the request's ``n``: each choice may generate up to ``max_tokens``, and
+    the prompt is counted once (the replica's usage reports it once). The reservation is
+    settled to the real usage when the response ends, so erring high only delays other
+    requests briefly; erring low could overrun a quota.
     """
     completion = max_tokens if max_tokens is not None else limits.default_max_tokens
-    return max(0, prompt_tokens) + max(0, completion)
+    return max(0, prompt_tokens) + max(0, completion) * max(1, choices)

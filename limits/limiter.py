@@ -36,6 +36,7 @@ from limits.metrics import DEFAULT, LimitsMetrics
 from limits.plan import AdmissionPlan, PlanCache, Subject, build_plan
 from limits.redis_store import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S, RedisStore
 from limits.store import LimitStore, StoreUnavailableError
+from redisconn.config import RedisSecurity
 
 log = logging.getLogger("fleetgate.limits")
 T = TypeVar("T")
@@ -336,8 +337,9 @@ def create_limiter(
     options: LimiterOptions | None = None,
     live_replicas: Callable[[], int] | None = None,
     metrics: LimitsMetrics | None = None,
+    security: RedisSecurity | None = None,
 ) -> Limiter:
-    """A limiter on Redis at ``redis_url``, or on this process's memory when None."""
+    """A limiter on Redis at ``redis_url`` (any ``redisconn`` scheme), or in memory when None."""
     options = options or LimiterOptions()
     store: LimitStore
     if redis_url is None:
@@ -347,5 +349,6 @@ def create_limiter(
             redis_url,
             timeout_s=options.redis_timeout_s,
             max_connections=options.redis_max_connections,
+            security=security,
         )
     return Limiter(store, options=options, live_replicas=live_replicas, metrics=metrics)

@@ -23,15 +23,13 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from limits.decision import Lease, Outcome, RateView
 from limits.plan import AdmissionPlan, escape
 from limits.store import StoreUnavailableError
+from redisconn.config import RedisSecurity
+from redisconn.factory import ClientOptions, RedisClient, connect
 
 DEFAULT_PREFIX = "fleetgate:limits"
 # An admission sits on every request's path: a Redis that cannot answer within 250 ms is
@@ -86,14 +84,18 @@ class RedisStore:
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         *,
         prefix: str = DEFAULT_PREFIX,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] | None = None,
         owns_client: bool = True,
+        max_in_flight: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self._client = client
+        # One connection per call in flight: a pool of max_connections never runs dry (a
+        # cluster or sentinel pool would raise instead of waiting; redisconn.factory).
+        self._in_flight = asyncio.Semaphore(max_in_flight)
         self._prefix = prefix
         self._timeout_s = timeout_s
         # Tests only: pass "now" into the scripts instead of Redis TIME. With more than one
@@ -111,24 +113,25 @@ class RedisStore:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] | None = None,
+        security: RedisSecurity | None = None,
     ) -> RedisStore:
-        """A store with its own connection pool, tuned to fail fast."""
-        pool = BlockingConnectionPool.from_url(
-            url,
+        """A store with its own connections (any scheme of ``redisconn``), tuned to fail fast."""
+        options = ClientOptions(
+            socket_timeout_s=timeout_s,
+            connect_timeout_s=timeout_s,
             max_connections=max_connections,
             # Waiting for a free connection counts against the same deadline.
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
+            pool_timeout_s=timeout_s,
             # One immediate retry on a broken connection, so the pooled connections a Redis
-            # restart left stale reconnect instead of failing requests. Safe because the
-            # scripts are idempotent per lease id. No retry on timeouts: the breaker decides
-            # when to try a slow Redis again.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            health_check_interval=0,
+            # restart or a failover left stale reconnect instead of failing requests. Safe
+            # because the scripts are idempotent per lease id. No retry on timeouts: the
+            # breaker decides when to try a slow Redis again.
+            connection_retries=1,
         )
-        client = Redis.from_pool(pool)  # owns the pool: closing the client closes it
-        return cls(client, prefix=prefix, timeout_s=timeout_s, clock=clock, owns_client=True)
+        client = connect(url, options, security)
+        return cls(
+            client, prefix=prefix, timeout_s=timeout_s, clock=clock, owns_client=True, max_in_flight=max_connections
+        )
 
     def keys(self, tenant: str) -> tuple[str, str]:
         """The tenant's state hash and lease set, sharing one hash tag."""
@@ -147,7 +150,7 @@ class RedisStore:
         if self._closed:
             raise RuntimeError("RedisStore is closed")
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(self._timeout_s), self._in_flight:
                 return await call
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailableError(f"redis: {type(exc).__name__}: {exc}") from exc

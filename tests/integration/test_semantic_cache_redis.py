@@ -26,6 +26,7 @@ from cache.semantic_index import SemanticIndex
 from cache.semantic_redis import RedisSemanticStore, SemanticLog
 from cache.semantic_sync import SemanticSync
 from cache.service import ResponseCache
+from redisconn.factory import ClientOptions, connect
 from tests.integration.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -41,13 +42,19 @@ SETTINGS = CacheServiceSettings(
 )
 
 
+# The sync's reader, on any URL scheme (tests/integration/test_redis_topologies.py).
+LOG_OPTIONS = ClientOptions(socket_timeout_s=3, connect_timeout_s=3, max_connections=4, pool_timeout_s=3)
+
+
 def body(question: str) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": question}], "temperature": 0}
 
 
 @asynccontextmanager
 async def gateway_cache(url: str, settings: CacheServiceSettings = SETTINGS) -> AsyncIterator[ResponseCache]:
-    """The cache one gateway process builds (``create_response_cache``), with the hashing embedder."""
+    """The cache one gateway process builds (``create_response_cache``), with the hashing embedder.
+
+    ``url`` may be any scheme ``redisconn`` reads (single node, cluster, sentinel)."""
     metrics = CacheMetrics()
     store = RedisStore.from_url(url, settings)
     semantic = SemanticCache(
@@ -55,7 +62,7 @@ async def gateway_cache(url: str, settings: CacheServiceSettings = SETTINGS) -> 
         RedisSemanticStore(store, stream_max_len=settings.semantic.stream_max_len),
         metrics,
         embedder=HashingEmbedder(),
-        log_source=lambda dimension: SemanticLog(aioredis.Redis.from_url(url, socket_timeout=3), dimension),
+        log_source=lambda dimension: SemanticLog(connect(url, LOG_OPTIONS), dimension),
     )
     async with ResponseCache(store, settings, metrics, semantic=semantic, start_semantic=True) as cache:
         yield cache

@@ -69,6 +69,9 @@ def test_reservation() -> None:
     assert reservation(100, 200, limits) == 300
     assert reservation(100, None, limits) == 100 + 512
     assert reservation(-3, None, limits) == 512
+    # n choices may each use max_tokens; the prompt is counted once
+    assert reservation(100, 200, limits, 8) == 100 + 8 * 200
+    assert reservation(100, None, limits, 3) == 100 + 3 * 512
 
 
 def test_plan_scopes_and_fields() -> None:

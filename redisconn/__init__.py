@@ -1,0 +1,1 @@
+"""How fleetgate reaches Redis: one URL, one factory, the same options for every store."""
