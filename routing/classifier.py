@@ -1,96 +1,76 @@
-"""Complexity classifier: a score in [0, 1] from cheap prompt features, mapped to a tier.
+"""Complexity classifier: a score in [0, 1] from a linear model over words, word pairs and symbols.
 
 A request for model ``auto`` goes to the tier whose configured score range holds its
-score. The score is a capped sum of named contributions, each from a feature computed in
-one pass over the text: estimated length, conversation depth, code, maths, reasoning and
-multi-step cues, requested output length, and cues of simple requests (which subtract).
-Every contribution keeps its name, so a decision explains itself: ``header()`` gives
-``"score=0.62; reasoning,long_prompt"`` for a debug header and the log line.
+score. The score says how likely the latest user message is a prompt on which a large
+model answers clearly better than a small one (RouteLLM's framing, Ong et al. 2024): hard
+coding and maths asks from real users high, everyday questions and simple instructions
+low. What counts as hard and easy, and why, is in docs/routing.md ("Complexity classifier").
 
-Cost: cues are looked up as a set of words from the latest user message (capped at
-``INSTRUCTION_HEAD + INSTRUCTION_TAIL`` characters) and a few substring counts over the
-rest, so the price stays in the tens of microseconds whatever the prompt size
-(``bench/classifier.py`` measures it). The weights were tuned by hand on a fixed-seed
-half of ``tests/data/classifier_prompts.jsonl``; the other half is the held-out check.
+Features (``features``): the latest user message, lower-cased, digits folded to ``0``,
+its head and tail only (``HEAD_CHARS + TAIL_CHARS``) so cost does not
+grow with a pasted document: words (less ``FUNCTION_WORDS``, which carry a writer's style
+rather than the ask), pairs of adjacent remaining words, and runs of one to three symbols
+(code syntax and formulas: ``()``, ``=``, ``\\``). Length is not a feature: measured out of
+source, it made the model worse on short technical asks. Each present feature counts once,
+and the sum is divided by the square root of the number of known features present, so a
+long prompt does not add up evidence for being long. The weights, the bias and the
+calibration (``scale * logit + shift``, chosen so that the default tier boundaries fall
+where the training script measured them out of source) are in
+``routing/data/classifier.json``, written by ``scripts/train_classifier.py``; evaluating
+them needs no library beyond the standard one.
+
+Every contribution keeps its feature, so a decision explains itself: the reasons are the
+features that moved the score most, either way, e.g.
+``score=0.81; +w:integral,+s:=,+b:prove_that`` (``w:`` a word, ``b:`` a word pair, ``s:``
+symbols; ``+`` towards the large tier, ``-`` towards the small).
+
+Cost: tens to a few hundred microseconds (``bench/classifier.py`` measures it), paid only
+by requests that are classified (model ``auto`` or a tenant's ``classify_models``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
-# ~4 characters per token on English text, as in gateway.request.
-CHARS_PER_TOKEN = 4
-# Only the head and tail of the instruction are scanned for cues: instructions sit at the
-# start or the end of a pasted document, and scanning it all would make cost grow with size.
-INSTRUCTION_HEAD = 400
-INSTRUCTION_TAIL = 400
-# Prompt length contributes from LENGTH_FLOOR tokens (shorter says nothing) up to
-# LENGTH_CEIL tokens, on a log scale: 4x longer is one more step of complexity.
-LENGTH_FLOOR_TOKENS = 50
-LENGTH_CEIL_TOKENS = 4000
-# Requested output: long generations (code, reports) need the bigger tier; tiny ones do not.
-LONG_OUTPUT_TOKENS = 2000
-SHORT_OUTPUT_TOKENS = 100
-# A bare base keeps an empty signal inside the small tier but off zero, so single cues matter.
-BASE_SCORE = 0.2
-
-# Contribution weights (tuned on the tuning half; see module docstring).
-W_LENGTH = 0.35
-W_TURNS = 0.04
-MAX_TURNS_SCORE = 0.20
-W_CODE_BLOCK = 0.12
-W_CODE_TASK = 0.25
-W_MATH = 0.15
-MAX_MATH_SCORE = 0.35
-W_REASONING = 0.2
-MAX_REASONING_SCORE = 0.5
-W_PROOF = 0.35
-W_CODE_TOPIC = 0.12
-W_STEPS = 0.15
-W_EXPLAIN = 0.15
-W_LONG_OUTPUT = 0.15
-W_SHORT_OUTPUT = -0.10
-W_SIMPLE = -0.2
-# A system prompt is mostly a fixed persona (and prefix-cached): it counts at this rate.
-SYSTEM_LENGTH_RATE = 0.25
-# Simple-request cues are ignored past this many instruction characters: editing or
-# translating a long text is real work even when the ask sounds trivial.
-SIMPLE_MAX_CHARS = 240
-# Contributions smaller than this are left out of the explanation.
-REASON_MIN = 0.05
+MODEL_FORMAT = 1
+DEFAULT_MODEL = "classifier.json"
+# Only the head and tail of the instruction are read: instructions sit at the start or the
+# end of a pasted document, and reading it all would make cost grow with its size.
+HEAD_CHARS = 500
+TAIL_CHARS = 250
 MAX_REASONS = 3
+# Words that say how a person writes, not what they ask: left out, so that a source's style
+# (questions in QQP's "what is the", self-instruct's "you are given a") cannot stand in for
+# difficulty.
+FUNCTION_WORDS = frozenset(
+    "a about above after again against all am an and any are as at be because been before being below between "
+    "both but by can could did do does doing down during each few for from further had has have having he her "
+    "here hers herself him himself his how i if in into is it its itself just me more most my myself no nor not "
+    "now of off on once only or other our ours ourselves out over own same she should so some such than that the "
+    "their theirs them themselves then there these they this those through to too under until up very was we "
+    "were what when where which while who whom why will with would you your yours yourself yourselves please "
+    "hi hello hey thanks thank".split()
+)
+# A reason is shown only if it moved the logit by at least this much.
+REASON_MIN = 0.02
 
-REASONING_WORDS = frozenset(
-    "justify analyze analyse evaluate critique compare trade-offs tradeoffs "
-    "design architecture risks rollback reasoning assess recommend root cause contradictions".split()
-)
-REASONING_PHRASES = ("step by step", "root cause", "trade-off", "think through", "walk me through")
-PROOF_WORDS = frozenset("prove proof rigorous rigorously derive".split())
-CODE_TOPIC_WORDS = frozenset(
-    "code csv regex sql query function class python typescript javascript rust java golang bash api json".split()
-)
-CODE_TASK_WORDS = frozenset("implement refactor port unit tests review debug".split())
-MATH_WORDS = frozenset(
-    "integral derivative equation equations recurrence probability theorem lemma matrix eigenvalue integer "
-    "solutions solve sum prime primes irrational converge diverges bound".split()
-)
-EXPLAIN_WORDS = frozenset(
-    "explain summarize summarise summary tl;dr difference why email regex function query example overview "
-    "points".split()
-)
-SIMPLE_WORDS = frozenset(
-    "hi hello hey thanks thank ok capital define synonym translate haiku joke grammar typo typos politely "
-    "convert currency hours".split()
-)
-MATH_SYMBOLS = ("^", "=", "∫", "∑", "√", "≤", "≥", "\\frac", "\\sum")
+_DIGITS = re.compile(r"\d")
+_WORD = re.compile(r"[^\W_]+")
+_SYMBOLS = re.compile(r"[^\w\s]{1,3}")
+_HEADER_UNSAFE = re.compile(r"[^\x21-\x7e]|[,;\"\\]")
 
-_WORD = re.compile(r"[a-z][a-z0-9;'-]*")
-_NUMBERED_LINE = re.compile(r"(?m)^\s*\d+[.)]\s")
+
+class ClassifierModelError(ValueError):
+    """The classifier's model file is missing, unreadable or of another format."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +84,7 @@ class TierRange:
 
 @dataclass(frozen=True, slots=True)
 class Classification:
-    """The chosen tier, the score, and the main contributions behind it (largest first)."""
+    """The chosen tier, the score, and the features that moved the score most (largest first)."""
 
     tier: str
     score: float
@@ -115,11 +95,78 @@ class Classification:
         return f"score={self.score:.2f}; {','.join(self.reasons) or 'none'}"
 
 
+# The boundaries are fixed; the model's calibration puts them where the training script
+# measured them on prompts of sources it had not seen (docs/routing.md, bench/results/classifier.md).
 DEFAULT_TIERS = (
     TierRange("small", 0.0, 0.3),
     TierRange("medium", 0.3, 0.55),
     TierRange("large", 0.55, 1.0),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class LinearModel:
+    """Feature weights, the bias, and the calibration of the logit into a score."""
+
+    weights: Mapping[str, float]
+    bias: float
+    scale: float
+    shift: float
+
+    def logit(self, feats: Iterable[str]) -> tuple[float, list[tuple[str, float]]]:
+        """The uncalibrated log-odds and each known feature's contribution to it."""
+        weights = self.weights
+        hits = [(f, weights[f]) for f in feats if f in weights]
+        if not hits:
+            return self.bias, []
+        norm = 1.0 / math.sqrt(len(hits))
+        contributions = [(f, w * norm) for f, w in hits]
+        return self.bias + sum(w for _, w in hits) * norm, contributions
+
+    def score(self, logit: float) -> float:
+        z = self.scale * logit + self.shift
+        if z >= 0:
+            return 1.0 / (1.0 + math.exp(-z))
+        e = math.exp(z)
+        return e / (1.0 + e)
+
+
+def features(text: str) -> set[str]:
+    """The features of one text (the same function at training and at routing time)."""
+    if len(text) > HEAD_CHARS + TAIL_CHARS:
+        text = text[:HEAD_CHARS] + " " + text[-TAIL_CHARS:]
+    text = _DIGITS.sub("0", text.lower())
+    words = _WORD.findall(text)
+    words = [w for w in words if w not in FUNCTION_WORDS]
+    out = {"w:" + w for w in words}
+    out.update("b:" + a + " " + b for a, b in itertools.pairwise(words))
+    out.update("s:" + s for s in _SYMBOLS.findall(text))
+    return out
+
+
+def load_model(path: str | Path | None = None) -> LinearModel:
+    """Read a model file (the shipped one by default)."""
+    try:
+        if path is None:
+            raw = resources.files("routing").joinpath("data", DEFAULT_MODEL).read_text()
+        else:
+            raw = Path(path).read_text()
+        data = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise ClassifierModelError(f"cannot read the classifier model: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
+        raise ClassifierModelError(f"classifier model is not format {MODEL_FORMAT}")
+    try:
+        weights = {str(k): float(v) for k, v in data["weights"].items()}
+        return LinearModel(weights, float(data["bias"]), float(data["scale"]), float(data["shift"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ClassifierModelError(f"classifier model is malformed: {exc}") from exc
+
+
+@functools.cache
+def default_model() -> LinearModel:
+    """The shipped model, read once."""
+    return load_model()
 
 
 def validate_tiers(tiers: Sequence[TierRange]) -> None:
@@ -136,14 +183,30 @@ def validate_tiers(tiers: Sequence[TierRange]) -> None:
             raise ValueError(f"tier {t.name!r} has an empty range")
 
 
-def classify(body: dict[str, Any], tiers: Sequence[TierRange] = DEFAULT_TIERS) -> Classification:
+def classify(
+    body: dict[str, Any], tiers: Sequence[TierRange] = DEFAULT_TIERS, model: LinearModel | None = None
+) -> Classification:
     """Score ``body`` (chat ``messages`` or completion ``prompt``) and pick the tier holding the score."""
-    contributions = _contributions(body)
-    raw = BASE_SCORE + sum(contributions.values())
-    score = min(1.0, max(0.0, raw))
-    named = sorted((item for item in contributions.items() if abs(item[1]) >= REASON_MIN), key=lambda kv: -abs(kv[1]))
-    reasons = tuple(name for name, _ in named[:MAX_REASONS])
-    return Classification(_tier_for(score, tiers), round(score, 3), reasons)
+    return classify_text(instruction(body), tiers, model)
+
+
+def classify_text(
+    text: str, tiers: Sequence[TierRange] = DEFAULT_TIERS, model: LinearModel | None = None
+) -> Classification:
+    """Score one instruction text and pick the tier holding the score."""
+    m = model or default_model()
+    logit, contributions = m.logit(features(text))
+    score = m.score(logit)
+    reasons: list[str] = []
+    for name, weight in sorted(contributions, key=_magnitude, reverse=True):
+        if abs(weight) < REASON_MIN:
+            break
+        shown = _header_safe(name)
+        if shown:
+            reasons.append(("+" if weight > 0 else "-") + shown)
+            if len(reasons) == MAX_REASONS:
+                break
+    return Classification(_tier_for(score, tiers), round(score, 3), tuple(reasons))
 
 
 def resolve_tier(classification: Classification, forced: str | None, allowed: Collection[str]) -> tuple[str, str]:
@@ -155,6 +218,24 @@ def resolve_tier(classification: Classification, forced: str | None, allowed: Co
     return classification.tier, "classified"
 
 
+def instruction(body: dict[str, Any]) -> str:
+    """The text scored: the latest user message, or the completion prompt.
+
+    System prompts (mostly a fixed persona) and earlier turns are left out: the question
+    being asked now is what the tier must answer.
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in reversed(messages):
+            if isinstance(message, dict) and message.get("role") == "user":
+                return content_text(message.get("content"))
+        return ""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
+    return prompt if isinstance(prompt, str) else ""
+
+
 def _tier_for(score: float, tiers: Sequence[TierRange]) -> str:
     for tier in tiers:
         if tier.min_score <= score < tier.max_score:
@@ -162,86 +243,20 @@ def _tier_for(score: float, tiers: Sequence[TierRange]) -> str:
     return tiers[-1].name
 
 
-def _contributions(body: dict[str, Any]) -> dict[str, float]:
-    chars, fences, instruction, turns = _scan(body)
-    full_instruction_chars = len(instruction)
-    if full_instruction_chars > INSTRUCTION_HEAD + INSTRUCTION_TAIL:
-        instruction = instruction[:INSTRUCTION_HEAD] + "\n" + instruction[-INSTRUCTION_TAIL:]
-    lowered = instruction.lower()
-    words = set(_WORD.findall(lowered))
-
-    c: dict[str, float] = {}
-    tokens = chars / CHARS_PER_TOKEN
-    if tokens > LENGTH_FLOOR_TOKENS:
-        span = math.log(LENGTH_CEIL_TOKENS / LENGTH_FLOOR_TOKENS)
-        c["long_prompt"] = W_LENGTH * min(1.0, math.log(tokens / LENGTH_FLOOR_TOKENS) / span)
-    if turns > 2:
-        c["deep_conversation"] = min(MAX_TURNS_SCORE, W_TURNS * (turns - 2))
-    if fences:
-        c["code"] = W_CODE_BLOCK
-    elif words & CODE_TOPIC_WORDS:
-        c["code_topic"] = W_CODE_TOPIC
-    code_tasks = len(words & CODE_TASK_WORDS)
-    if code_tasks:
-        c["code_task"] = W_CODE_TASK * min(1.0, code_tasks / 2)
-    math_hits = len(words & MATH_WORDS)
-    if not fences:
-        # Symbols inside code are syntax, not maths.
-        math_hits += sum(1 for s in MATH_SYMBOLS if s in instruction)
-    if math_hits:
-        c["maths"] = min(MAX_MATH_SCORE, W_MATH * math_hits)
-    # An explicit ask to reason in steps counts double: it asks for a long chain of thought.
-    reasoning = len(words & REASONING_WORDS) + 2 * sum(1 for p in REASONING_PHRASES if p in lowered)
-    if reasoning:
-        c["reasoning"] = min(MAX_REASONING_SCORE, W_REASONING * reasoning)
-    if words & PROOF_WORDS or "show that" in lowered:
-        c["proof"] = W_PROOF
-    if len(_NUMBERED_LINE.findall(instruction)) >= 3:
-        c["multi_step"] = W_STEPS
-    if words & EXPLAIN_WORDS:
-        c["explain"] = W_EXPLAIN
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if isinstance(max_tokens, int):
-        if max_tokens >= LONG_OUTPUT_TOKENS:
-            c["long_output"] = W_LONG_OUTPUT
-        elif max_tokens <= SHORT_OUTPUT_TOKENS:
-            c["short_output"] = W_SHORT_OUTPUT
-    if words & SIMPLE_WORDS and not reasoning and not code_tasks and full_instruction_chars <= SIMPLE_MAX_CHARS:
-        c["simple_request"] = W_SIMPLE
-    return c
+def _magnitude(contribution: tuple[str, float]) -> float:
+    return abs(contribution[1])
 
 
-def _scan(body: dict[str, Any]) -> tuple[float, int, str, int]:
-    """Weighted prompt characters, code blocks, the latest user message (the instruction), turns."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        chars = 0.0
-        fences = 0
-        instruction = ""
-        turns = 0
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            text = _content_text(message.get("content"))
-            fences += text.count("```")
-            role = message.get("role")
-            if role in ("system", "developer"):
-                chars += len(text) * SYSTEM_LENGTH_RATE
-                continue
-            chars += len(text)
-            if role == "user":
-                instruction = text
-            if role in ("user", "assistant"):
-                turns += 1
-        return chars, fences // 2, instruction, turns
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
-    text = prompt if isinstance(prompt, str) else ""
-    return float(len(text)), text.count("```") // 2, text, 1
+@functools.lru_cache(maxsize=8192)
+def _header_safe(feature: str) -> str:
+    """A feature as header-safe ASCII (spaces shown as ``_``), or "" when nothing printable is left."""
+    kind, _, text = feature.partition(":")
+    shown = _HEADER_UNSAFE.sub("", text.replace(" ", "_")).strip("_")
+    return f"{kind}:{shown}" if shown else ""
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """The text of a message's content: a string, or the text parts of a list."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):

@@ -1,4 +1,10 @@
-"""Complexity classifier: tiers, explanations, and the labelled set."""
+"""Complexity classifier: the shipped model, its explanations, tiers, and out-of-source quality.
+
+Core tests use the shipped model (routing/data/classifier.json) and the repository's own
+hand-written prompts (tests/data/classifier_fixture.jsonl: none of them from the training
+sources). The last test retrains on the public prompts in ../shared/data and skips when
+they (or scikit-learn, the ``train`` extra) are absent.
+"""
 
 from __future__ import annotations
 
@@ -7,71 +13,137 @@ from pathlib import Path
 
 import pytest
 
-from routing.classifier import DEFAULT_TIERS, Classification, TierRange, classify, resolve_tier, validate_tiers
+from routing.classifier import (
+    DEFAULT_TIERS,
+    HEAD_CHARS,
+    TAIL_CHARS,
+    Classification,
+    ClassifierModelError,
+    LinearModel,
+    TierRange,
+    classify,
+    classify_text,
+    default_model,
+    features,
+    instruction,
+    load_model,
+    resolve_tier,
+    validate_tiers,
+)
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "classifier_prompts.jsonl"
+FIXTURE = Path(__file__).resolve().parents[2] / "data" / "classifier_fixture.jsonl"
 
 
 def user(text: str, **extra: object) -> dict[str, object]:
     return {"model": "auto", "messages": [{"role": "user", "content": text}], **extra}
 
 
-def test_greeting_is_small_and_says_why() -> None:
-    c = classify(user("hello!"))
-    assert c.tier == "small"
-    assert c.reasons == ("simple_request",)
-    assert c.header() == f"score={c.score:.2f}; simple_request"
+def fixture() -> list[tuple[str, str]]:
+    rows = [json.loads(line) for line in FIXTURE.read_text().splitlines() if line.strip()]
+    return [(r["label"], r["prompt"]) for r in rows]
 
 
-def test_short_proof_request_is_large() -> None:
-    c = classify(user("Prove that there are infinitely many primes."))
+def auc(pos: list[float], neg: list[float]) -> float:
+    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+
+
+def test_hand_written_prompts_are_ranked_and_tiered() -> None:
+    """Prompts no training source holds, including the kinds that fooled the keyword rule
+    (short technical asks, "translate this code", "why"/"difference" questions)."""
+    scored = [(label, classify_text(text)) for label, text in fixture()]
+    hard = [c for label, c in scored if label == "hard"]
+    easy = [c for label, c in scored if label == "easy"]
+    assert len(hard) >= 15 and len(easy) >= 15
+    assert auc([c.score for c in hard], [c.score for c in easy]) >= 0.9
+    assert sum(c.tier == "large" for c in hard) / len(hard) >= 0.5
+    assert sum(c.tier == "small" for c in easy) / len(easy) >= 0.8
+
+
+def test_reasons_are_the_features_that_moved_the_score() -> None:
+    c = classify(user("Compute the integral of x^2 * sin(x) dx from 0 to pi."))
     assert c.tier == "large"
-    assert "proof" in c.reasons
+    assert c.reasons and all(r[0] in "+-" and ":" in r for r in c.reasons)
+    assert c.reasons[0].startswith("+")
+    assert c.header() == f"score={c.score:.2f}; {','.join(c.reasons)}"
+    model = default_model()
+    _, contributions = model.logit(features("Compute the integral of x^2 * sin(x) dx from 0 to pi."))
+    top = max(contributions, key=lambda kv: abs(kv[1]))
+    assert c.reasons[0] == "+" + top[0].replace(" ", "_")
+    easy = classify(user("What is the capital of France?"))
+    assert easy.tier == "small" and easy.reasons[0].startswith("-")
 
 
-def test_explanation_is_medium() -> None:
-    assert classify(user("Explain how database indexes work.")).tier == "medium"
+def test_reasons_are_header_safe() -> None:
+    c = classify(user('请证明: "a, b; c" \\ ∑ x² — naïve café?'))
+    for reason in c.reasons:
+        assert reason.isascii() and not any(ch in reason for ch in ' ,;"\\\r\n')
+    c.header().encode("latin-1")
 
 
-def test_long_code_generation_with_steps_is_large() -> None:
-    text = "Implement a rate limiter in Go. Requirements:\n1. thread safe\n2. unit tests\n3. explain complexity"
-    c = classify(user(text, max_tokens=4000))
-    assert c.tier == "large"
-    assert "code_task" in c.reasons
-
-
-def test_long_system_prompt_does_not_make_a_trivial_question_complex() -> None:
+def test_only_the_latest_user_message_is_scored() -> None:
+    trivial = {"role": "user", "content": "thanks!"}
     body = {
         "messages": [
-            {"role": "system", "content": "You are the support bot for a shop. Be concise and friendly. " * 30},
-            {"role": "user", "content": "thanks!"},
+            {"role": "system", "content": "You are the support bot. Prove theorems with integrals. " * 30},
+            {"role": "user", "content": "Compute the integral of x^2 * sin(x) dx from 0 to pi."},
+            {"role": "assistant", "content": "It is pi^2 - 4."},
+            trivial,
         ]
     }
-    assert classify(body).tier == "small"
+    assert instruction(body) == "thanks!"
+    assert classify(body) == classify(user("thanks!"))
 
 
 def test_completion_prompt_and_content_parts_are_read() -> None:
-    assert classify({"prompt": "Prove that the harmonic series diverges, step by step."}).tier == "large"
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Prove that sqrt 2 is irrational."}]}]}
-    assert classify(parts).tier == "large"
+    text = "Find all real solutions of x^4 - 5x^2 + 4 = 0 and verify them."
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+    assert classify({"prompt": text}) == classify(parts) == classify(user(text))
+    assert classify({"prompt": [text]}) == classify(user(text))
+
+
+def test_only_head_and_tail_of_a_long_prompt_are_read() -> None:
+    head, tail = "a" * HEAD_CHARS, "z" * TAIL_CHARS
+    long_text = head + " middle words " * 50_000 + tail
+    assert features(long_text) == features(head + " " + tail)
 
 
 def test_empty_or_odd_bodies_do_not_raise() -> None:
-    bodies: list[dict[str, object]] = [
-        {},
-        {"messages": []},
-        {"messages": [None, {"role": "user"}]},
-        {"prompt": [1, 2, 3]},
-    ]
+    bodies: list[dict[str, object]] = [{}, {"messages": []}, {"messages": [None, {"role": "user"}]}, {"prompt": [1, 2]}]
+    bias_only = default_model().score(default_model().bias)
     for body in bodies:
         c = classify(body)
-        assert 0.0 <= c.score <= 1.0 and c.tier == "small"
+        assert c.score == round(bias_only, 3) and c.reasons == ()
 
 
-def test_score_maps_to_configured_ranges() -> None:
+def test_score_maps_to_configured_ranges_and_a_given_model() -> None:
     tiers = (TierRange("cheap", 0.0, 0.5), TierRange("big", 0.5, 1.0))
-    assert classify(user("hi"), tiers).tier == "cheap"
-    assert classify(user("Prove that every tree with n vertices has n - 1 edges, step by step."), tiers).tier == "big"
+    model = LinearModel({"w:integral": 2.0, "w:capital": -2.0}, 0.0, 1.0, 0.0)
+    assert classify(user("the integral"), tiers, model) == Classification(
+        "big", round(1 / (1 + 2.718281828**-2), 3), ("+w:integral",)
+    )
+    assert classify(user("a capital"), tiers, model).tier == "cheap"
+    assert classify(user("nothing known"), tiers, model) == Classification("big", 0.5, ())
+
+
+def test_model_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ClassifierModelError, match="cannot read"):
+        load_model(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": 99}))
+    with pytest.raises(ClassifierModelError, match="format"):
+        load_model(bad)
+    bad.write_text(json.dumps({"format": 1, "weights": {}, "bias": 0.0}))
+    with pytest.raises(ClassifierModelError, match="malformed"):
+        load_model(bad)
+
+
+def test_shipped_model_is_small_and_calibrated_into_the_default_tiers() -> None:
+    model = default_model()
+    assert 1000 <= len(model.weights) <= 50_000
+    data = json.loads(Path(__file__).resolve().parents[3].joinpath("routing", "data", "classifier.json").read_text())
+    bounds = data["info"]["boundary_logits"]
+    assert model.score(bounds["small_top"]) == pytest.approx(DEFAULT_TIERS[0].max_score, abs=1e-3)
+    assert model.score(bounds["large_bottom"]) == pytest.approx(DEFAULT_TIERS[-1].min_score, abs=1e-3)
 
 
 def test_validate_tiers() -> None:
@@ -89,12 +161,19 @@ def test_forced_tier_only_where_allowed() -> None:
     assert resolve_tier(c, None, {"large"}) == ("small", "classified")
 
 
-def test_labelled_set_is_large_enough_and_classifier_beats_chance() -> None:
-    records = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
-    assert len(records) >= 300
-    assert {r["tier"] for r in records} == {"small", "medium", "large"}
-    correct = sum(
-        classify({k: r[k] for k in ("messages", "prompt", "max_tokens") if k in r}).tier == r["tier"] for r in records
-    )
-    # Regression floor, well below the reported figure (bench/results/classifier.md).
-    assert correct / len(records) >= 0.85
+def test_out_of_source_quality_on_the_public_prompts() -> None:
+    """Retrains with every easy source held out in turn (the calibration's folds) and checks
+    the pooled out-of-fold AUC against the figure in bench/results/classifier.md, with margin."""
+    from bench.classifier_data import EASY, HARD, available, data_dir
+
+    if not available():
+        pytest.skip(f"the public prompts are not under {data_dir()} (../shared/data beside the repository)")
+    pytest.importorskip("sklearn", reason="retraining needs scikit-learn (the 'train' extra)")
+    from bench.classifier_data import load
+    from scripts.train_classifier import out_of_fold
+
+    prompts = load()
+    logits = out_of_fold(prompts, [features(p.text) for p in prompts], "easy-sources")
+    hard = [float(x) for x, p in zip(logits, prompts, strict=True) if p.label == HARD]
+    easy = [float(x) for x, p in zip(logits, prompts, strict=True) if p.label == EASY]
+    assert auc(hard[::4], easy[::2]) >= 0.9

@@ -1,0 +1,231 @@
+"""Train the complexity classifier and write routing/data/classifier.json.
+
+    .venv/bin/python -m scripts.train_classifier            # needs ../shared/data and scikit-learn
+
+What it does, in order (the labels are ``bench.classifier_data``'s, reasoned in docs/routing.md):
+
+1. Features: ``routing.classifier.features`` of every hard and easy prompt (the middle kinds
+   are never trained on). The vocabulary keeps n-grams seen in at least ``MIN_DF`` prompts
+   of at least ``MIN_GROUPS`` groups (sources, or arena-hard's categories), so a phrase one
+   source's template repeats cannot become a feature; of those, the ``MAX_FEATURES`` most
+   frequent.
+2. Model: L2-regularised logistic regression on the L2-normalised binary features, every
+   group weighing the same within its class and the classes the same (``group_weights``);
+   scikit-learn's ``LogisticRegression``, which only training needs.
+3. Calibration: out-of-fold logits (``CALIBRATION_PROTOCOL``: each easy source scored by a
+   model that never saw it, see ``folds``) set the default tier boundaries: the logit below
+   which ``EASY_QUANTILE`` of the easy prompts fall maps to 0.3 (small/medium) and the logit
+   above which ``1 - HARD_QUANTILE`` of the hard prompts fall maps to 0.55 (medium/large),
+   through ``score = sigmoid(scale * logit + shift)``. The final model is then trained on
+   every labelled prompt.
+
+``bench/classifier.py`` runs the same folds to report the out-of-source figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.classifier_data import EASY, HARD, Prompt, load
+from routing.classifier import DEFAULT_TIERS, MODEL_FORMAT, LinearModel, features
+
+OUT = Path(__file__).resolve().parent.parent / "routing" / "data" / "classifier.json"
+MIN_DF = 3
+MIN_GROUPS = 2
+MAX_FEATURES = 20000
+C = 1.0
+FOLD_SEED = 19
+RANDOM_FOLDS = 5
+# The folds whose out-of-fold logits set the default tier boundaries (see ``folds``).
+CALIBRATION_PROTOCOL = "easy-sources"
+# Default boundaries: at least 80% of easy prompts must stay small and half of the hard
+# ones go large. The quantiles leave a margin for sources the model never read: hard asks
+# from new people score lower than those of known kinds (tests/data/classifier_fixture.jsonl
+# put 40% of its hard prompts in the large tier with 0.40 here, 67% with 0.20).
+EASY_QUANTILE = 0.88
+HARD_QUANTILE = 0.20
+SMALL_TOP = DEFAULT_TIERS[0].max_score
+LARGE_BOTTOM = DEFAULT_TIERS[-1].min_score
+
+
+@dataclass(frozen=True, slots=True)
+class Fitted:
+    weights: dict[str, float]
+    bias: float
+
+    def logits(self, feats: Sequence[set[str]]) -> np.ndarray:
+        model = LinearModel(self.weights, self.bias, 1.0, 0.0)
+        return np.array([model.logit(f)[0] for f in feats])
+
+
+def labelled(prompts: Sequence[Prompt]) -> list[Prompt]:
+    return [p for p in prompts if p.label in (HARD, EASY)]
+
+
+def fit(feats: Sequence[set[str]], y: Sequence[int], groups: Sequence[str]) -> Fitted:
+    """A logistic regression over the features that pass the vocabulary filters."""
+    from scipy.sparse import csr_matrix
+    from sklearn.linear_model import LogisticRegression
+
+    df: Counter[str] = Counter()
+    seen_in: defaultdict[str, set[str]] = defaultdict(set)
+    for f, g in zip(feats, groups, strict=True):
+        df.update(f)
+        for name in f:
+            seen_in[name].add(g)
+    kept = [name for name, n in df.items() if n >= MIN_DF and len(seen_in[name]) >= MIN_GROUPS]
+    kept.sort(key=lambda name: (-df[name], name))
+    vocab = {name: i for i, name in enumerate(kept[:MAX_FEATURES])}
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for r, f in enumerate(feats):
+        idx = [vocab[name] for name in f if name in vocab]
+        if not idx:
+            continue
+        v = 1.0 / math.sqrt(len(idx))
+        rows += [r] * len(idx)
+        cols += idx
+        vals += [v] * len(idx)
+    x = csr_matrix((vals, (rows, cols)), shape=(len(feats), len(vocab)))
+    clf = LogisticRegression(C=C, max_iter=2000)
+    clf.fit(x, np.asarray(y), sample_weight=group_weights(y, groups))
+    names = list(vocab)
+    fitted = Fitted({names[i]: float(w) for i, w in enumerate(clf.coef_[0])}, float(clf.intercept_[0]))
+    # The gateway's evaluator (routing.classifier.LinearModel) must agree with scikit-learn's.
+    gap = float(np.max(np.abs(fitted.logits(feats) - clf.decision_function(x))))
+    if gap > 1e-6:
+        raise SystemExit(f"routing.classifier's evaluator disagrees with scikit-learn by {gap:.2e}")
+    return fitted
+
+
+def folds(prompts: Sequence[Prompt], protocol: str) -> list[list[int]]:
+    """Held-out index sets over the labelled prompts, each prompt in exactly one.
+
+    - ``sources``: every group held out whole (leave-one-source-out; arena-hard's coding and
+      maths prompts are held out apart, so those folds train on the other hard kinds only);
+    - ``easy-sources``: every easy group held out whole, together with a random share of the
+      hard prompts (the case of a deployment: hard asks of known kinds, easy ones from
+      people the model never read);
+    - ``random``: ``RANDOM_FOLDS`` random folds (the optimistic reference).
+    """
+    train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    if protocol == "sources":
+        groups = sorted({prompts[i].group for i in train})
+        return [[i for i in train if prompts[i].group == g] for g in groups]
+    rng = random.Random(FOLD_SEED)
+    if protocol == "easy-sources":
+        easy_groups = sorted({prompts[i].group for i in train if prompts[i].label == EASY})
+        hard = [i for i in train if prompts[i].label == HARD]
+        rng.shuffle(hard)
+        return [
+            [i for i in train if prompts[i].group == g] + hard[k :: len(easy_groups)] for k, g in enumerate(easy_groups)
+        ]
+    if protocol == "random":
+        order = list(train)
+        rng.shuffle(order)
+        return [sorted(order[k::RANDOM_FOLDS]) for k in range(RANDOM_FOLDS)]
+    raise ValueError(f"unknown protocol {protocol!r}")
+
+
+def group_weights(y: Sequence[int], groups: Sequence[str]) -> np.ndarray:
+    """Sample weights under which every group weighs the same within its class, and the two
+    classes the same: 1,319 gsm8k problems must not outvote 247 arena-hard maths prompts."""
+    size = Counter(groups)
+    per_class = Counter(y)
+    n_groups = {c: len({g for g, yy in zip(groups, y, strict=True) if yy == c}) for c in per_class}
+    return np.array([len(y) / 2 / n_groups[c] / size[g] for c, g in zip(y, groups, strict=True)])
+
+
+def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    order = np.argsort(values)
+    cum = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cum, q * cum[-1])])
+
+
+def out_of_fold(prompts: Sequence[Prompt], feats: Sequence[set[str]], protocol: str) -> np.ndarray:
+    """Each labelled prompt's logit from a model trained without its fold (NaN for the middle kinds)."""
+    train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    logits = np.full(len(prompts), np.nan)
+    for held in folds(prompts, protocol):
+        out = set(held)
+        rest = [i for i in train if i not in out]
+        model = fit_on(prompts, feats, rest)
+        logits[held] = model.logits([feats[i] for i in held])
+    return logits
+
+
+def calibration(logits: np.ndarray, prompts: Sequence[Prompt]) -> tuple[float, float, float, float]:
+    """(scale, shift, easy boundary logit, hard boundary logit) from out-of-source logits."""
+    idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    y = [int(prompts[i].label == HARD) for i in idx]
+    w = group_weights(y, [prompts[i].group for i in idx])
+    x = logits[idx]
+    hard = np.array(y, dtype=bool)
+    # Quantiles with every group weighing the same (as in training).
+    t_small = weighted_quantile(x[~hard], w[~hard], EASY_QUANTILE)
+    t_large = weighted_quantile(x[hard], w[hard], HARD_QUANTILE)
+    if t_large <= t_small:
+        raise SystemExit(f"hard and easy overlap too much: large boundary {t_large:.3f} <= small {t_small:.3f}")
+    z_small = math.log(SMALL_TOP / (1 - SMALL_TOP))
+    z_large = math.log(LARGE_BOTTOM / (1 - LARGE_BOTTOM))
+    scale = (z_large - z_small) / (t_large - t_small)
+    shift = z_small - scale * t_small
+    return scale, shift, t_small, t_large
+
+
+def train_final(prompts: Sequence[Prompt], feats: Sequence[set[str]]) -> Fitted:
+    """The shipped model's weights: every hard and easy prompt."""
+    return fit_on(prompts, feats, [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)])
+
+
+def fit_on(prompts: Sequence[Prompt], feats: Sequence[set[str]], idx: Sequence[int]) -> Fitted:
+    """``fit`` on the prompts ``idx``."""
+    x = [feats[i] for i in idx]
+    y = [int(prompts[i].label == HARD) for i in idx]
+    g = [prompts[i].group for i in idx]
+    return fit(x, y, g)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    prompts = load()
+    feats = [features(p.text) for p in prompts]
+    logits = out_of_fold(prompts, feats, CALIBRATION_PROTOCOL)
+    scale, shift, t_small, t_large = calibration(logits, prompts)
+    final = train_final(prompts, feats)
+    train = labelled(prompts)
+    info: dict[str, Any] = {
+        "trained_on": dict(sorted(Counter(f"{p.group}:{p.label}" for p in train).items())),
+        "boundary_logits": {"small_top": round(t_small, 4), "large_bottom": round(t_large, 4)},
+        "quantiles": {"easy": EASY_QUANTILE, "hard": HARD_QUANTILE, "folds": CALIBRATION_PROTOCOL},
+        "vocabulary": {"min_df": MIN_DF, "min_groups": MIN_GROUPS, "max_features": MAX_FEATURES, "C": C},
+    }
+    model = {
+        "format": MODEL_FORMAT,
+        "bias": round(final.bias, 5),
+        "scale": round(scale, 5),
+        "shift": round(shift, 5),
+        "info": info,
+        "weights": {k: round(v, 4) for k, v in sorted(final.weights.items())},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(model, ensure_ascii=False, separators=(",", ":")) + "\n")
+    print(f"wrote {args.out} ({args.out.stat().st_size // 1024} KiB, {len(model['weights'])} features)")
+    print(json.dumps(info, indent=1))
+
+
+if __name__ == "__main__":
+    main()
