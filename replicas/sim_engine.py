@@ -63,6 +63,14 @@ class SimEngine(Protocol):
 
     def gauges(self) -> dict[str, float]: ...
 
+    def cache_config(self) -> dict[str, int] | None:
+        """The KV cache's ``num_gpu_blocks`` and ``block_size`` (vLLM's ``vllm:cache_config_info``); None: no cache."""
+        ...
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's dev endpoint of that name); False while requests hold blocks."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -125,6 +133,12 @@ class FixedRateEngine:
             "vllm:num_requests_waiting": 0.0,
             "vllm:kv_cache_usage_perc": 0.0,
         }
+
+    def cache_config(self) -> dict[str, int] | None:
+        return None
+
+    def reset_prefix_cache(self) -> bool:
+        return True
 
     async def close(self) -> None:
         return None

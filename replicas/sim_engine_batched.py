@@ -20,6 +20,7 @@ scheduling decision, for want of KV blocks, token budget or ``max_num_seqs``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -127,9 +128,26 @@ class BatchedSimEngine:
         self.max_lag_s = 0.0
 
     @classmethod
-    def from_profile(cls, name: str, *, seed: int = 0, time_scale: float = 1.0) -> BatchedSimEngine:
-        """Build an engine from a registered profile name (``replicas.sim_profiles.PROFILES``)."""
-        return cls(get_profile(name), seed=seed, time_scale=time_scale)
+    def from_profile(
+        cls,
+        name: str,
+        *,
+        seed: int = 0,
+        time_scale: float = 1.0,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+    ) -> BatchedSimEngine:
+        """Build an engine from a registered profile name (``replicas.sim_profiles.PROFILES``).
+
+        ``num_blocks`` and ``block_size`` override the profile's KV cache as vLLM's
+        ``--num-gpu-blocks-override`` and ``--block-size`` do.
+        """
+        profile = get_profile(name)
+        if block_size is not None:
+            profile = dataclasses.replace(profile, block_size=block_size)
+        if num_blocks is not None:
+            profile = dataclasses.replace(profile, num_blocks_override=num_blocks)
+        return cls(profile, seed=seed, time_scale=time_scale)
 
     def submit(self, request: SimRequest) -> SimStream:
         """Queue a request; it reaches the scheduler after the profile's API-server latency.
@@ -161,6 +179,12 @@ class BatchedSimEngine:
         gauges = self.model.metrics()
         gauges[GAUGE_RUNNING], gauges[GAUGE_WAITING] = float(self._reported[0]), float(self._reported[1])
         return gauges
+
+    def cache_config(self) -> dict[str, int] | None:
+        return {"num_gpu_blocks": self.profile.num_blocks, "block_size": self.profile.block_size}
+
+    def reset_prefix_cache(self) -> bool:
+        return self.model.pool.reset()
 
     async def close(self) -> None:
         """Stop the step loop and end every open stream with ``abort``. Idempotent."""

@@ -121,6 +121,14 @@ class BlockPool:
             if self._refs[b] == 0:
                 self._free[b] = None
 
+    def reset(self) -> bool:
+        """Forget every cached block, as vLLM's ``reset_prefix_cache``; False while blocks are in use."""
+        if any(self._refs):
+            return False
+        self._by_hash.clear()
+        self._hash_of = [None] * self.num_blocks
+        return True
+
     def cache(self, block: int, block_hash: int) -> None:
         if block_hash not in self._by_hash and self._hash_of[block] is None:
             self._by_hash[block_hash] = block

@@ -129,6 +129,8 @@ class SimProfile:
     max_num_batched_tokens: int = 8192  # chunked-prefill token budget per step
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     block_size: int = DEFAULT_BLOCK_SIZE
+    # vLLM's --num-gpu-blocks-override: a KV cache of this many blocks, whatever the memory.
+    num_blocks_override: int | None = None
 
     @property
     def kv_pool_bytes_per_gpu(self) -> int:
@@ -139,6 +141,8 @@ class SimProfile:
     @property
     def num_blocks(self) -> int:
         """KV-cache blocks: each rank holds its share of the KV heads for every token."""
+        if self.num_blocks_override is not None:
+            return self.num_blocks_override
         per_rank_token_bytes = self.model.kv_bytes_per_token / self.tensor_parallel
         return int(self.kv_pool_bytes_per_gpu // (per_rank_token_bytes * self.block_size))
 

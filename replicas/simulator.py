@@ -10,6 +10,7 @@ shape: ``/health``, ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completio
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import math
 import time
@@ -27,6 +28,7 @@ DEFAULT_MAX_TOKENS = 256
 EMBEDDING_DIM = 64
 ENGINE_KEY = web.AppKey("engine", SimEngine)
 MODEL_KEY = web.AppKey("model", str)
+BUSY_HEALTH_DELAY_KEY = web.AppKey("busy_health_delay_s", float)
 
 
 def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
@@ -194,21 +196,43 @@ async def models(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps({"object": "list", "data": [card]}), content_type="application/json")
 
 
-async def health(_: web.Request) -> web.Response:
+async def health(request: web.Request) -> web.Response:
+    # vLLM's API server answers /health late while its engine is busy; ``--busy-health-delay-ms``
+    # reproduces that, for the gateway's health checks to be tested against it.
+    delay = request.app[BUSY_HEALTH_DELAY_KEY]
+    if delay and request.app[ENGINE_KEY].gauges().get("vllm:num_requests_running", 0.0) > 0:
+        await asyncio.sleep(delay)
     return web.Response(status=200)
 
 
 async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
     labels = f'{{engine="0",model_name="{request.app[MODEL_KEY]}"}}'
     lines = []
-    for name, value in sorted(request.app[ENGINE_KEY].gauges().items()):
+    for name, value in sorted(engine.gauges().items()):
         kind = "counter" if name.endswith("_total") else "gauge"
         lines.append(f"# TYPE {name} {kind}\n{name}{labels} {value}")
+    cache = engine.cache_config()
+    if cache is not None:
+        info = ",".join(f'{k}="{v}"' for k, v in sorted(cache.items()))
+        lines.append(f'# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{info},engine="0"}} 1.0')
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's development endpoint (``VLLM_SERVER_DEV_MODE=1``): benchmarks start each run cold."""
+    return web.json_response({"success": request.app[ENGINE_KEY].reset_prefix_cache()})
+
+
 def build_engine(
-    *, ttft_ms: float, tokens_per_s: float, profile: str | None, seed: int, time_scale: float
+    *,
+    ttft_ms: float,
+    tokens_per_s: float,
+    profile: str | None,
+    seed: int,
+    time_scale: float,
+    num_blocks: int | None = None,
+    block_size: int | None = None,
 ) -> SimEngine:
     """A fixed-rate engine, or the calibrated batching model when a profile is named."""
     if profile is None:
@@ -217,16 +241,20 @@ def build_engine(
         )
     from replicas.sim_engine_batched import BatchedSimEngine
 
-    return BatchedSimEngine.from_profile(profile, seed=seed, time_scale=time_scale)
+    return BatchedSimEngine.from_profile(
+        profile, seed=seed, time_scale=time_scale, num_blocks=num_blocks, block_size=block_size
+    )
 
 
-def create_app(engine: SimEngine, served_model: str) -> web.Application:
+def create_app(engine: SimEngine, served_model: str, *, busy_health_delay_s: float = 0.0) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app[MODEL_KEY] = served_model
+    app[BUSY_HEALTH_DELAY_KEY] = busy_health_delay_s
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
@@ -247,6 +275,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None, help="a calibrated GPU/model profile instead")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-scale", type=float, default=1.0, help=">1 runs faster than real time")
+    parser.add_argument(
+        "--num-gpu-blocks-override", type=int, default=None, help="KV cache blocks (as vLLM's flag; with --profile)"
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (with --profile)")
+    parser.add_argument(
+        "--busy-health-delay-ms", type=float, default=0.0, help="answer /health this late while generating"
+    )
+    parser.add_argument(
+        "--keepalive-timeout-s", type=float, default=75.0, help="an idle keep-alive connection is closed after this"
+    )
+    parser.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=2.0,
+        help="on SIGTERM, requests in flight get this long, then are cut",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -258,13 +302,21 @@ def run(args: argparse.Namespace) -> None:
         profile=args.profile,
         seed=args.seed,
         time_scale=args.time_scale,
+        num_blocks=args.num_gpu_blocks_override,
+        block_size=args.block_size,
     )
     web.run_app(
-        create_app(engine, args.model),
+        create_app(engine, args.model, busy_health_delay_s=args.busy_health_delay_ms / 1000),
         host=args.host,
         port=args.port,
         print=None,
         access_log=None,
+        # A client that leaves cancels its handler, which frees its slot in the engine
+        # (vLLM aborts a request whose connection closed); without it a dropped
+        # non-streaming request generated to its end, and SIGTERM waited for all of them.
+        handler_cancellation=True,
+        shutdown_timeout=args.shutdown_timeout_s,
+        keepalive_timeout=args.keepalive_timeout_s,
         loop=uvloop.new_event_loop(),
     )
 

@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from replicas.replica import Replica
+from replicas.replica import GAUGE_KV_CAPACITY_TOKENS, Replica
 from routing.policies import LoadModel
 
 # "No bound": more slots than any pool will ever be asked for.
@@ -47,6 +47,15 @@ class Capacity:
     max_outstanding_tokens: int | None = None
     max_prefill_tokens: int | None = None
     load: LoadModel = field(default_factory=LoadModel)
+    # The replicas' KV cache in tokens, when configured (else each replica's scraped figure).
+    kv_cache_tokens: int | None = None
+
+    def kv_tokens(self, replica: Replica) -> int | None:
+        """How many tokens ``replica``'s prefix cache holds: configured, scraped, or unknown."""
+        if self.kv_cache_tokens is not None:
+            return self.kv_cache_tokens
+        scraped = replica.gauges.get(GAUGE_KV_CAPACITY_TOKENS)
+        return int(scraped) if scraped else None
 
     @property
     def bounded(self) -> bool:

@@ -9,7 +9,7 @@ Example::
         - {name: small, min_score: 0.0, max_score: 0.3}
         - {name: medium, min_score: 0.3, max_score: 0.55}
         - {name: large, min_score: 0.55, max_score: 1.0}
-      affinity: {factor: 1.5, margin_requests: 4, anchor_blocks: 4}
+      affinity: {factor: 1.25, margin_requests: 8, anchor_blocks: 4}
       capacity: {max_requests: 256, max_prefill_tokens: 4096}  # per replica, unless models[].capacity says otherwise
       retry_budget: {ratio: 0.2, min_per_s: 1, burst: 10}
       queue: {max_queue_length: 256, max_wait_s: {high: 30, normal: 10, low: 2}}
@@ -57,17 +57,29 @@ class TierSettings(_Frozen):
 class AffinitySettings(_Frozen):
     """How prompts are keyed (``prefix_keys``, ``PrefixIndex``) and when affinity yields to load."""
 
-    # Keep the warm replica while requests(it) <= factor * min_requests + margin_requests.
-    factor: float = Field(1.5, ge=1.0)
-    margin_requests: int = Field(4, ge=0)
-    # A replica is warm for a request when it holds at least this many of its leading blocks.
+    # A prefix's home replica takes a request while requests(it) + 1 <=
+    # factor * (pool's requests + 1) / replicas + margin_requests; past that, the next
+    # replica in the prefix's hash order does (routing.policies.LoadBound).
+    factor: float = Field(1.25, ge=1.0)
+    margin_requests: int = Field(8, ge=0)
+    # Prompts are placed by the hash of their first anchor_blocks blocks (shorter prompts:
+    # the least busy replica).
     anchor_blocks: int = Field(4, ge=1)
+    # Prefixes placed active_after times, the last within active_window_s, get balanced
+    # homes: at most ceil(placement_factor x mean + placement_slack x sqrt(mean)) per
+    # replica, the mean being prefixes in use per healthy replica
+    # (routing.prefix_placement.AnchorPlacement).
+    placement_factor: float = Field(1.0, ge=1.0)
+    placement_slack: float = Field(0.5, ge=0.0)
+    active_after: int = Field(2, ge=1)
+    active_window_s: float = Field(600.0, gt=0)
     block_chars: int = Field(DEFAULT_BLOCK_CHARS, ge=16)
     max_blocks: int = Field(DEFAULT_MAX_BLOCKS, ge=1)
     # Past max_blocks fine blocks, blocks of this size, up to max_prefix_chars.
     coarse_block_chars: int = Field(DEFAULT_COARSE_BLOCK_CHARS, ge=16)
     max_prefix_chars: int = Field(DEFAULT_MAX_PREFIX_CHARS, ge=16)
-    # Prefix keys each pool remembers (where each was sent), most recent first.
+    # Prefix keys the prefix index remembers per replica (a memory bound; the KV capacity
+    # usually evicts first).
     index_keys: int = Field(DEFAULT_MAX_KEYS, ge=1)
 
     @model_validator(mode="after")
@@ -97,12 +109,15 @@ class CapacitySettings(_Frozen):
     a request sent behind that backlog waits for all of it before its own first token, so
     this bound is what keeps a flood waiting in the gateway's fair queue instead of in the
     replica's first-come-first-served one. The default, 4,096, is half a step of vLLM's
-    8,192-token chunked prefill; ``null`` turns the bound off.
+    8,192-token chunked prefill; ``null`` turns the bound off. ``kv_cache_tokens`` is the
+    size of a replica's prefix cache for the prefix index's eviction; unset, it is read
+    from each replica's ``vllm:cache_config_info`` (num_gpu_blocks x block_size).
     """
 
     max_requests: int | None = Field(256, gt=0)
     max_outstanding_tokens: int | None = Field(None, gt=0)
     max_prefill_tokens: int | None = Field(4096, gt=0)
+    kv_cache_tokens: int | None = Field(None, gt=0)
 
 
 class RetryBudgetSettings(_Frozen):

@@ -2,7 +2,7 @@
 
 Label values come from configuration or fixed sets: ``model`` and ``fallback`` are model
 names, ``tenant`` a tenant id, ``tier`` a tier name, ``policy`` one of the four policy
-names, ``reason`` a policy's decision reason (``affinity``, ``affinity_overloaded``,
+names, ``reason`` a policy's decision reason (``affinity``, ``affinity_spill``,
 ``new_prefix``, ``no_prefix``, ``least_tokens``, ``least_requests``, ``round_robin``),
 a tier reason (``classified``, ``forced``, ``force_denied``) or a shed
 reason (``queue_full``, ``wait_exceeded``, ``deadline``). Retries are the gateway's
@@ -42,7 +42,7 @@ class RoutingMetrics:
         )
         self.affinity_hits = Counter(
             "fleetgate_routing_affinity_hits",
-            "Requests sent to a replica warm for their prefix (prefix_affinity).",
+            "Requests sent to their prefix's home replica (prefix_affinity).",
             ["model"],
             registry=r,
         )

@@ -8,10 +8,10 @@ awaits or reads a clock; the caller passes ``now`` and each policy owns its
 - ``LeastOutstandingTokens`` ranks replicas by ``effective_load``: this gateway's own
   outstanding tokens, corrected by what the replica reports about work it got from
   elsewhere (other gateway pods) and about KV-cache pressure.
-- ``PrefixAffinity`` (the default) sends a request where its prefix was sent before
-  (``routing.prefix_index``), so the replica's prefix cache spares most of its prefill, and
-  gives up that affinity when the warm replicas' load gets out of line; a prefix seen
-  nowhere goes to the least busy replica.
+- ``PrefixAffinity`` (the default) gives every prompt prefix a home replica by rendezvous
+  hashing, so the replicas' prefix caches split the working set and every gateway pod
+  agrees on the split; a request spills to the next replica in its prefix's order only
+  when those before it are past a load bound (consistent hashing with bounded loads).
 
 A replica that is draining, down, failed or circuit-open is never chosen
 (``Replica.routable(now)``), nor one in ``exclude`` (already tried for this request).
@@ -25,8 +25,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from replicas.replica import GAUGE_KV_USAGE, Replica
-from routing.prefix_index import PrefixIndex
+from replicas.replica import GAUGE_KV_USAGE, Replica, ReplicaState
+from routing.prefix_placement import AnchorPlacement
 
 # Prefix blocks: 256 characters is ~64 tokens, i.e. four of vLLM's default 16-token KV
 # blocks, so a matching block stands for KV the replica can actually reuse.
@@ -54,6 +54,22 @@ class RouteRequest:
     max_tokens: int = 0
     prefix_ends: tuple[int, ...] = ()
     prompt_chars: int = 0
+
+    def block_tokens(self) -> tuple[tuple[int, ...], int]:
+        """Tokens of each keyed block (at least one each), and what else the request puts in a KV cache.
+
+        The blocks' share of ``prompt_tokens`` by characters; the rest is the prompt's unkeyed
+        end and the completion (``max_tokens``).
+        """
+        if not self.prefix_keys or self.prompt_chars <= 0:
+            return (), self.prompt_tokens + self.max_tokens
+        per_char = self.prompt_tokens / self.prompt_chars
+        sizes: list[int] = []
+        start = 0
+        for end in self.prefix_ends:
+            sizes.append(max(1, round((end - start) * per_char)))
+            start = end
+        return tuple(sizes), max(0, self.prompt_tokens - sum(sizes)) + self.max_tokens
 
     def uncached_tokens(self, depth: int) -> int:
         """Prompt tokens left to prefill on a replica holding the first ``depth`` keys."""
@@ -174,54 +190,77 @@ class LeastOutstandingTokens:
 
 
 @dataclass(frozen=True, slots=True)
-class AffinityGuard:
-    """When affinity is worth keeping: ``requests(warm) <= factor * min_requests + margin_requests``.
+class LoadBound:
+    """Consistent hashing with bounded loads: how busy a replica may be and still take a request.
 
-    Counted in requests in flight, the measure of how many sequences a new request's prefill
-    will stall and share decode steps with; the prefill a replica still owes is bounded
-    apart from this (``routing.capacity``). The margin keeps affinity on a lightly loaded
-    fleet, where the factor alone would flap on one request; the factor bounds the imbalance
-    under heavy load, where a hot prefix would otherwise pile its whole traffic onto one
-    replica (affinity-only routers collapse under skew). A request the guard turns away goes
-    to the least busy replica, which then holds the prefix too: a hot prefix spreads over
-    as many replicas as its load needs.
+    A replica takes the request while ``requests + 1 <= factor * (total + 1) / n + margin``:
+    with it, its requests in flight stay within ``factor`` times the pool's mean (this
+    request included) plus a margin (Mirrokni, Thorup and Zadimoghaddam, "Consistent
+    Hashing with Bounded Loads", SODA 2018; HAProxy's ``hash-balance-factor``). Requests,
+    not tokens: a new request's prefill stalls the decode step of every sequence on its
+    replica, and the prefill a replica still owes is bounded apart from this
+    (``routing.capacity``). The margin keeps a prefix home on a quiet fleet, where one
+    request more or less is most of the mean; the factor bounds the imbalance under load,
+    where a hot prefix would otherwise pile its whole traffic onto one replica. With a
+    margin of at least one, the least busy replica always qualifies.
+
+    Every gateway pod computes the bound from the same figures (each replica's requests:
+    its own in flight plus the others' as of the last scrape), so pods spill alike.
     """
 
-    factor: float = 1.5
-    margin_requests: int = 4
+    factor: float = 1.25
+    margin_requests: int = 8
 
-    def allows(self, requests: float, min_requests: float) -> bool:
-        return requests <= self.factor * min_requests + self.margin_requests
+    def allows(self, requests: float, total: float, n: int) -> bool:
+        return requests + 1 <= self.factor * (total + 1) / n + self.margin_requests
 
 
 class PrefixAffinity:
-    """Send a request to the least busy replica warm for its prefix, within the load guard.
+    """Give each prompt prefix a home replica its pods agree on; spill in its hash order past a load bound.
 
-    Warm: holding, in the pool's ``PrefixIndex``, the deepest prefix of the request's keys
-    that is at least ``anchor_blocks`` blocks long (shorter matches, a common first line,
-    save too little prefill to count). A prefix no replica holds, and a prompt shorter than
-    one block, go to the least busy replica (``new_prefix`` / ``no_prefix``): hashing unseen
-    prefixes onto fixed replicas would only unbalance the load. Least busy: fewest requests
-    in flight, then least ``effective_load``; each new request's prefill stalls the decode
-    steps of every sequence on its replica, so fewer sequences there means fewer stalled.
-    The caller records each choice in the index (``routing.router.Route``).
+    Each request's *anchor* is its ``anchor_blocks``-th prefix key: the hash of its first
+    ``anchor_blocks`` blocks (by default ~1,000 characters, e.g. the opening of a system
+    prompt). The replicas are ranked by a hash of the anchor and each replica's address
+    (rendezvous hashing), with the prefix's home first: ``AnchorPlacement`` homes the
+    prefixes in use on their first choices, except where a hash would split the working
+    set between the replicas' caches unevenly. The request goes to the first replica of that order within the
+    ``LoadBound`` (``affinity``), or to a later one when those before it are over the bound
+    (``affinity_spill``). A prompt shorter than the anchor goes to the least busy replica
+    (``no_prefix``): fewest requests in flight, then least ``effective_load``; so does a
+    prefix seen for the first time in a pool where new prefixes seldom come back
+    (``new_prefix``, ``AnchorPlacement.reuse``).
+
+    Why homes computed from hashes and not "where it was sent before": the order depends
+    only on the prefixes in use and the set of replicas, so every gateway pod places a
+    prefix on the same replica and spills it to the same next one, without talking; the
+    replicas' prefix caches then split the working set instead of each caching all of it.
+    A spill leaves no trace: the next request of that prefix goes home once home is within
+    the bound again, so overflow never makes a prefix resident everywhere (under KV
+    pressure that is what thrashes every cache). Ranking by address rather than replica id
+    keeps the order the same in pods that name the replicas differently.
+
+    ``members`` is the pool's replica list (homes are spread over its healthy replicas,
+    whichever of them a given pick may choose from); without it, the replicas passed to
+    ``pick`` are the members.
     """
 
     def __init__(
         self,
         rng: random.Random,
-        index: PrefixIndex,
         load: LoadModel | None = None,
-        guard: AffinityGuard | None = None,
+        bound: LoadBound | None = None,
         anchor_blocks: int = 4,
+        placement: AnchorPlacement | None = None,
+        members: Sequence[Replica] | None = None,
     ) -> None:
         if anchor_blocks < 1:
             raise ValueError("anchor_blocks must be at least 1")
         self._rng = rng
-        self.index = index
         self._load = load or LoadModel()
-        self._guard = guard or AffinityGuard()
+        self._bound = bound or LoadBound()
         self._anchor = anchor_blocks
+        self.placement = placement or AnchorPlacement()
+        self._members = members
 
     def pick(
         self, replicas: Sequence[Replica], request: RouteRequest, now: float, exclude: Collection[str] = ()
@@ -230,22 +269,35 @@ class PrefixAffinity:
         if not candidates:
             return Decision(None, "no_routable_replica")
         model = self._load
-        measured = {r.id: (model.requests(r), model.effective_load(r)) for r in candidates}
-
-        def busy(replica: Replica) -> tuple[float, float]:
-            return measured[replica.id]
-
         keys = request.prefix_keys
-        if not keys:
-            return Decision(_argmin(candidates, busy, self._rng), "no_prefix")
-        warm, _ = self.index.warmest(keys, candidates, self._anchor)
-        if not warm:
-            return Decision(_argmin(candidates, busy, self._rng), "new_prefix")
-        best = _argmin(warm, busy, self._rng)
-        assert best is not None
-        if self._guard.allows(measured[best.id][0], min(m[0] for m in measured.values())):
-            return Decision(best, "affinity")
-        return Decision(_argmin(candidates, busy, self._rng), "affinity_overloaded")
+        if len(keys) < self._anchor:
+            return Decision(self._least_busy(candidates), "no_prefix")
+        anchor = keys[self._anchor - 1]
+        members = self._members if self._members is not None else replicas
+        addresses = [r.base_url for r in members if r.state is ReplicaState.HEALTHY]
+        # A retry (``exclude``) is the same request, not one more use of the prefix.
+        home = self.placement.home(anchor, addresses or [r.base_url for r in candidates], now, seen=not exclude)
+        if home is None:  # seen once, where new prefixes seldom come back: by load
+            return Decision(self._least_busy(candidates), "new_prefix")
+        requests = [model.requests(r) for r in candidates]
+        total, n = sum(requests), len(candidates)
+        weight = self.placement.weight
+        weights = [_HOME_WEIGHT if r.base_url == home else weight(anchor, r.base_url) for r in candidates]
+        # The first replica in the order within the bound is the heaviest of those within it.
+        allowed = [i for i in range(n) if self._bound.allows(requests[i], total, n)]
+        if not allowed:  # only with a zero margin: take the least busy
+            allowed = [min(range(n), key=requests.__getitem__)]
+        best = max(allowed, key=weights.__getitem__)
+        # Not at home: past the bound, or home was not a candidate (tried already, or full).
+        return Decision(candidates[best], "affinity" if candidates[best].base_url == home else "affinity_spill")
+
+    def _least_busy(self, candidates: list[Replica]) -> Replica | None:
+        model = self._load
+        return _argmin(candidates, lambda r: (model.requests(r), model.effective_load(r)), self._rng)
+
+
+# Above every 64-bit rendezvous weight: a prefix's home comes first in its order.
+_HOME_WEIGHT = 1 << 64
 
 
 def prefix_keys(

@@ -1,80 +1,127 @@
-"""Where each prompt prefix was sent recently: the gateway's estimate of the replicas' prefix caches.
+"""What each replica probably still holds in its prefix cache: the gateway's model of it, evicted like vLLM's.
 
 vLLM keeps the KV blocks of finished requests resident and reuses them for a later request
-that starts with the same tokens, so a request sent where its prefix was sent before skips
-most of its prefill. The replicas do not say which prefixes they hold; the gateway knows
-where it sent each one. ``PrefixIndex`` remembers, for the most recent ``max_keys`` prefix
-keys (``routing.policies.prefix_keys``), the replicas each was sent to, and answers two
-questions for a request and a replica:
+that starts with the same tokens, until a new allocation evicts them, least recently used
+first. The replicas do not say which prefixes they hold; the gateway knows what it sent
+where. ``PrefixIndex`` keeps, per replica, the prefix keys (``routing.policies.prefix_keys``)
+of what it was sent, in least-recently-used order, each with its size in tokens, and
+evicts from the old end once the replica's KV cache (``capacity_tokens``) would overflow:
 
-- how many leading characters of the prompt that replica has probably cached (``matched``);
-- which replicas hold the longest such prefix (``warmest``), for prefix affinity.
+- each request also fills the cache with what no later request shares (the rest of its
+  prompt and its completion): counted as one anonymous entry, so it pushes old prefixes
+  out as it does in vLLM, but never matches;
+- vLLM frees a finished sequence's blocks tail first, so its deepest blocks are evicted
+  before its first ones: a request's entries are refreshed from the tail to the first
+  key, and a prefix's first blocks outlive its extensions.
 
-An estimate, not a mirror: a replica evicts under KV pressure what the index still lists,
-and another gateway pod's requests warm replicas this index never hears of. Both errors
-only cost some prefill, never correctness. Pure and synchronous; one per pool.
+It answers one question: how many leading blocks of a request a replica has probably
+cached (``depth``), which is the prefill the request's claim charges that replica. Routing
+itself does not read it (``routing.policies.PrefixAffinity`` places by hash, so that pods
+agree without sharing this index).
+
+An estimate, not a mirror: another gateway pod's requests fill a replica's cache this index
+never hears of, so it errs towards "still cached". With no capacity known, only the key
+bound evicts. Pure and synchronous; one per pool.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from replicas.replica import Replica
+# Keys remembered per replica, whatever its capacity: a memory bound. A request contributes
+# one key per leading block (up to ``max_blocks`` fine blocks plus the coarse ones), so this
+# covers the prefixes of some thousands of recent prompts per replica.
+DEFAULT_MAX_KEYS = 16384
 
-# Remembered keys per pool. A request contributes one key per leading block (at most
-# ``max_blocks`` fine blocks plus the coarse ones), so this covers some thousands of
-# recent prompts: the working set of prefixes that can still be in the replicas' caches.
-DEFAULT_MAX_KEYS = 65536
+
+class _Held:
+    """One replica's cache as the index sees it: key -> tokens, least recently used first."""
+
+    __slots__ = ("entries", "tokens")
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[int, int] = OrderedDict()
+        self.tokens = 0
 
 
 class PrefixIndex:
-    """Recently sent prefix keys -> the ids of the replicas they were sent to (LRU)."""
+    """Per replica, the prefix keys it was sent, LRU, bounded by its KV capacity in tokens."""
 
-    __slots__ = ("_keys", "max_keys")
+    __slots__ = ("_anonymous", "_held", "max_keys")
 
     def __init__(self, max_keys: int = DEFAULT_MAX_KEYS) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be at least 1")
         self.max_keys = max_keys
-        self._keys: OrderedDict[int, set[str]] = OrderedDict()
+        self._held: dict[str, _Held] = {}
+        # Keys of anonymous entries: negative, so they never equal a prefix key (those are >= 0).
+        self._anonymous = itertools.count(-1, -1)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return sum(len(h.entries) for h in self._held.values())
 
-    def record(self, keys: Sequence[int], replica_id: str) -> None:
-        """``replica_id`` was sent a prompt with these keys: it holds them now (and they are the freshest)."""
-        index = self._keys
-        for key in keys:
-            holders = index.get(key)
-            if holders is None:
-                index[key] = {replica_id}
+    def tokens(self, replica_id: str) -> int:
+        """Tokens the index counts as resident on ``replica_id``."""
+        held = self._held.get(replica_id)
+        return held.tokens if held is not None else 0
+
+    def record(
+        self,
+        keys: Sequence[int],
+        sizes: Sequence[int],
+        replica_id: str,
+        *,
+        rest_tokens: int = 0,
+        capacity_tokens: int | None = None,
+    ) -> None:
+        """``replica_id`` was sent a prompt with these keys (``sizes[i]``: tokens of block ``i``).
+
+        ``rest_tokens`` is what else the request leaves in the cache (the unkeyed end of its
+        prompt, its completion). Then entries are evicted, oldest first, while the replica
+        holds more than ``capacity_tokens`` (None: unknown) or ``max_keys`` keys.
+        """
+        held = self._held.get(replica_id)
+        if held is None:
+            held = self._held[replica_id] = _Held()
+        entries = held.entries
+        if rest_tokens > 0:
+            entries[next(self._anonymous)] = rest_tokens
+            held.tokens += rest_tokens
+        for key, size in zip(reversed(keys), reversed(sizes), strict=True):
+            old = entries.get(key)
+            if old is None:
+                entries[key] = size
+                held.tokens += size
             else:
-                holders.add(replica_id)
-                index.move_to_end(key)
-        while len(index) > self.max_keys:
-            index.popitem(last=False)
+                entries.move_to_end(key)
+        while entries and (
+            len(entries) > self.max_keys or (capacity_tokens is not None and held.tokens > capacity_tokens)
+        ):
+            _key, size = entries.popitem(last=False)
+            held.tokens -= size
 
     def depth(self, keys: Sequence[int], replica_id: str) -> int:
-        """How many leading keys of ``keys`` ``replica_id`` holds (0: none)."""
-        index = self._keys
+        """How many leading keys of ``keys`` ``replica_id`` probably holds (0: none).
+
+        Eviction takes a prefix's deeper blocks first, so the deepest key held stands for
+        every key before it.
+        """
+        held = self._held.get(replica_id)
+        if held is None:
+            return 0
+        entries = held.entries
         for i in range(len(keys) - 1, -1, -1):
-            holders = index.get(keys[i])
-            if holders is not None and replica_id in holders:
+            if keys[i] in entries:
                 return i + 1
         return 0
 
-    def warmest(self, keys: Sequence[int], candidates: Sequence[Replica], min_depth: int) -> tuple[list[Replica], int]:
-        """The candidates holding the deepest prefix of ``keys`` at least ``min_depth`` keys long, and that depth.
+    def replicas(self) -> int:
+        """How many replicas the index holds entries for."""
+        return len(self._held)
 
-        Walks from the deepest key down and stops at the first one some candidate holds:
-        one dict lookup per key for a prompt nobody has seen.
-        """
-        index = self._keys
-        for i in range(len(keys) - 1, max(min_depth, 1) - 2, -1):
-            holders = index.get(keys[i])
-            if holders:
-                warm = [r for r in candidates if r.id in holders]
-                if warm:
-                    return warm, i + 1
-        return [], 0
+    def retain(self, replica_ids: set[str]) -> None:
+        """Forget the replicas not in ``replica_ids`` (they left the pool)."""
+        for replica_id in [r for r in self._held if r not in replica_ids]:
+            del self._held[replica_id]

@@ -7,8 +7,8 @@ requests only), then ``route`` for a ``Route``: the proxy's picker for that requ
 for a replica not yet tried; it builds the policy's view of the request (``RouteRequest``,
 with prefix keys only when something uses them) once, on the first pick, so a request
 answered from the cache or refused by limits never pays for it. Each choice is recorded in
-the pool's ``PrefixIndex``, which also estimates how much of the prompt the chosen replica
-has cached: the prefill the request's ``Claim`` charges it. Retries after a failed attempt
+the pool's ``PrefixIndex``, which estimates how much of the prompt the chosen replica
+still has cached: the prefill the request's ``Claim`` charges it. Retries after a failed attempt
 are allowed while the primary pool's ``RetryBudget`` has credit.
 
 Nothing here awaits: the waiting (fair queue) is ``routing.admission``, the sending is
@@ -31,10 +31,10 @@ from routing.config import AffinitySettings, CapacitySettings, PolicyName, Routi
 from routing.fair_queue import FairQueueConfig
 from routing.metrics import RoutingMetrics
 from routing.policies import (
-    AffinityGuard,
     Decision,
     LeastOutstandingTokens,
     LeastRequests,
+    LoadBound,
     LoadModel,
     Policy,
     PrefixAffinity,
@@ -43,6 +43,7 @@ from routing.policies import (
     prefix_keys,
 )
 from routing.prefix_index import PrefixIndex
+from routing.prefix_placement import AnchorPlacement
 from routing.retry_budget import RetryBudget
 from routing.tier_map import TierMap
 
@@ -75,14 +76,25 @@ class TierChoice:
 
 
 def make_policy(
-    name: PolicyName, rng: random.Random, load: LoadModel, affinity: AffinitySettings, index: PrefixIndex | None
+    name: PolicyName,
+    rng: random.Random,
+    load: LoadModel,
+    affinity: AffinitySettings,
+    members: Sequence[Replica] | None = None,
 ) -> Policy:
-    """A fresh policy instance (each pool owns its own: round robin keeps a counter)."""
+    """A fresh policy instance (each pool owns its own: round robin keeps a counter).
+
+    ``members`` is the pool's own replica list (updated in place by discovery).
+    """
     if name == "prefix_affinity":
-        if index is None:
-            raise ValueError("prefix_affinity needs its pool's prefix index")
-        guard = AffinityGuard(affinity.factor, affinity.margin_requests)
-        return PrefixAffinity(rng, index, load, guard, anchor_blocks=affinity.anchor_blocks)
+        bound = LoadBound(affinity.factor, affinity.margin_requests)
+        placement = AnchorPlacement(
+            factor=affinity.placement_factor,
+            slack=affinity.placement_slack,
+            active_after=affinity.active_after,
+            window_s=affinity.active_window_s,
+        )
+        return PrefixAffinity(rng, load, bound, affinity.anchor_blocks, placement, members)
     if name == "least_outstanding_tokens":
         return LeastOutstandingTokens(rng, load)
     if name == "least_requests":
@@ -227,8 +239,13 @@ class Route:
             self.served = pool.model
             index = pool.index
             if index is not None and request.prefix_keys:
-                self._prefill = request.uncached_tokens(index.depth(request.prefix_keys, replica.id))
-                index.record(request.prefix_keys, replica.id)
+                keys = request.prefix_keys
+                self._prefill = request.uncached_tokens(index.depth(keys, replica.id))
+                sizes, rest = request.block_tokens()
+                capacity = pool.capacity.kv_tokens(replica)
+                index.record(keys, sizes, replica.id, rest_tokens=rest, capacity_tokens=capacity)
+                if index.replicas() > len(pool.replicas):  # some left (discovery): their entries go
+                    index.retain({r.id for r in pool.replicas})
             else:
                 self._prefill = self.prompt_tokens
             router.metrics.decided(pool.model, decision.reason)
@@ -335,7 +352,9 @@ class Router:
         pools: dict[str, Pool] = {}
         for spec in specs:
             cs = spec.capacity or settings.capacity
-            capacity = Capacity(cs.max_requests, cs.max_outstanding_tokens, cs.max_prefill_tokens, load)
+            capacity = Capacity(
+                cs.max_requests, cs.max_outstanding_tokens, cs.max_prefill_tokens, load, cs.kv_cache_tokens
+            )
             index = None
             if settings.policy == "prefix_affinity" or cs.max_prefill_tokens is not None:
                 index = PrefixIndex(settings.affinity.index_keys)
@@ -353,7 +372,7 @@ class Router:
             pools[spec.model] = Pool(
                 spec.model,
                 members,
-                make_policy(settings.policy, rng, load, settings.affinity, index),
+                make_policy(settings.policy, rng, load, settings.affinity, members),
                 capacity,
                 RetryBudget(rb.ratio, rb.min_per_s, rb.burst, now),
                 admission,

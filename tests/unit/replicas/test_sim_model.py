@@ -216,3 +216,18 @@ def test_the_same_seed_gives_the_same_steps() -> None:
 
     assert trace(3) == trace(3)
     assert trace(3) != trace(4)
+
+
+def test_reset_forgets_cached_blocks_unless_some_are_in_use() -> None:
+    """As vLLM's /reset_prefix_cache: refused while a request holds blocks, then every hash is gone."""
+    from replicas.sim_model import BlockPool
+
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.cache(blocks[0], 111)
+    assert not pool.reset()  # in use
+    pool.release(blocks)
+    assert pool.lookup([111]) == [blocks[0]]
+    assert pool.reset()
+    assert pool.lookup([111]) == []
+    assert pool.num_free == 4

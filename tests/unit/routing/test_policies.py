@@ -6,16 +6,16 @@ import random
 
 from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Breaker, Replica, ReplicaState
 from routing.policies import (
-    AffinityGuard,
     LeastOutstandingTokens,
     LeastRequests,
+    LoadBound,
     LoadModel,
     PrefixAffinity,
     RoundRobin,
     RouteRequest,
     prefix_keys,
 )
-from routing.prefix_index import PrefixIndex
+from routing.prefix_placement import AnchorPlacement
 
 
 def replica(
@@ -41,16 +41,8 @@ def req(system: str, user: str = "hi") -> RouteRequest:
     return RouteRequest(keys, prompt_tokens=300, max_tokens=100, prefix_ends=ends, prompt_chars=chars)
 
 
-def affinity(guard: AffinityGuard | None = None) -> PrefixAffinity:
-    return PrefixAffinity(random.Random(1), PrefixIndex(), guard=guard)
-
-
-def send(policy: PrefixAffinity, rs: list[Replica], request: RouteRequest) -> Replica:
-    """Pick and record the choice in the index, as ``routing.router.Route`` does."""
-    d = policy.pick(rs, request, 0.0)
-    assert d.replica is not None
-    policy.index.record(request.prefix_keys, d.replica.id)
-    return d.replica
+def affinity(bound: LoadBound | None = None) -> PrefixAffinity:
+    return PrefixAffinity(random.Random(1), bound=bound)
 
 
 # --- baselines -------------------------------------------------------------------------
@@ -127,7 +119,7 @@ def test_never_routes_to_draining_failed_or_open_breaker() -> None:
     bad[3].breaker.record_failure(100.0)
     busy = replica("busy", tokens=50_000)
     rng = random.Random(1)
-    for policy in (RoundRobin(), LeastRequests(rng), LeastOutstandingTokens(rng), PrefixAffinity(rng, PrefixIndex())):
+    for policy in (RoundRobin(), LeastRequests(rng), LeastOutstandingTokens(rng), PrefixAffinity(rng)):
         for _ in range(5):
             assert policy.pick([*bad, busy], req(SYSTEM_A), 101.0).replica is busy
         assert policy.pick(bad, req(SYSTEM_A), 101.0).replica is None
@@ -162,83 +154,132 @@ def test_uncached_tokens_from_the_matched_depth() -> None:
     assert RouteRequest(prompt_tokens=80).uncached_tokens(0) == 80
 
 
-def test_affinity_sticks_for_same_prefix() -> None:
+def home(rs: list[Replica], request: RouteRequest) -> Replica:
+    """The replica a quiet fleet gives ``request``'s prefix."""
+    d = affinity().pick(rs, request, 0.0)
+    assert d.replica is not None and d.reason == "affinity"
+    return d.replica
+
+
+def test_a_prefix_has_one_home_whatever_follows_it() -> None:
     rs = [replica(x) for x in "abcd"]
     policy = affinity()
     first = policy.pick(rs, req(SYSTEM_A, "first"), 0.0)
-    assert first.reason == "new_prefix"
-    assert first.replica is not None
-    policy.index.record(req(SYSTEM_A, "first").prefix_keys, first.replica.id)
+    assert first.reason == "affinity"
     for user in ("second", "third question", "and a fourth"):
         d = policy.pick(rs, req(SYSTEM_A, user), 0.0)
         assert d.replica is first.replica and d.reason == "affinity"
 
 
-def test_new_prefix_goes_to_the_least_loaded() -> None:
-    rs = [replica("a", tokens=900), replica("b", tokens=100), replica("c", tokens=500)]
-    d = affinity().pick(rs, req(SYSTEM_B), 0.0)
-    assert d.replica is rs[1] and d.reason == "new_prefix"
-
-
-def test_a_short_common_opening_is_not_warmth() -> None:
-    """Sharing fewer than anchor_blocks leading blocks does not pull a request to a replica."""
-    rs = [replica("a"), replica("b", tokens=10)]
-    policy = affinity()
-    opening = "You are helpful. " * 20  # ~340 characters: one 256-character block
-    policy.index.record(req(opening + "Topic one. " * 100).prefix_keys, "b")
-    d = policy.pick(rs, req(opening + "Another subject. " * 100), 0.0)
-    assert d.replica is rs[0] and d.reason == "new_prefix"
-
-
-def test_affinity_prefers_the_deepest_match_then_the_least_loaded() -> None:
-    rs = [replica("a", tokens=300), replica("b", tokens=200), replica("c", tokens=100)]
-    policy = affinity()
-    turn1 = req(SYSTEM_A, "first question about invoices " * 20)
-    policy.index.record(turn1.prefix_keys, "a")
-    policy.index.record(req(SYSTEM_A).prefix_keys, "b")
-    policy.index.record(req(SYSTEM_A).prefix_keys, "c")
-    # The next turn extends turn 1's prompt: only a holds all of it.
-    turn2 = req(SYSTEM_A, "first question about invoices " * 20 + "and a follow-up")
-    assert policy.pick(rs, turn2, 0.0).replica is rs[0]
-    # A new conversation on the same system prompt: b and c are as warm as a; c is least loaded.
-    assert policy.pick(rs, req(SYSTEM_A, "something else"), 0.0).replica is rs[2]
-
-
-def test_affinity_moves_when_the_warm_replicas_are_overloaded() -> None:
-    rs = [replica(x) for x in "abcd"]
-    policy = affinity(AffinityGuard(factor=1.5, margin_requests=2))
-    warm = send(policy, rs, req(SYSTEM_A))
-    # The least busy has 4 requests in flight -> allowed up to 1.5 * 4 + 2 = 8.
-    for r in rs:
-        r.outstanding_requests = 4
-    warm.outstanding_requests = 8
-    assert policy.pick(rs, req(SYSTEM_A), 0.0).replica is warm  # at the bound: keep affinity
-    warm.outstanding_requests = 9
-    d = policy.pick(rs, req(SYSTEM_A), 0.0)
-    assert d.replica is not warm and d.reason == "affinity_overloaded"
-    # Recorded, the overflow replica is warm too: the prefix now has two homes, and the
-    # less busy of them is chosen.
-    assert d.replica is not None
-    policy.index.record(req(SYSTEM_A).prefix_keys, d.replica.id)
-    d2 = policy.pick(rs, req(SYSTEM_A), 0.0)
-    assert d2.replica is d.replica and d2.reason == "affinity"
-
-
-def test_new_prefix_prefers_fewer_sequences_over_fewer_tokens() -> None:
-    """A new prompt's prefill stalls every sequence on its replica: fewer of them wins."""
-    rs = [replica("a", tokens=300, requests=6), replica("b", tokens=2000, requests=1)]
-    d = affinity().pick(rs, req(SYSTEM_B), 0.0)
-    assert d.replica is rs[1] and d.reason == "new_prefix"
+def test_pods_agree_without_sharing_anything() -> None:
+    """Two policies (two gateway pods) with their own replica objects, in another order, place alike."""
+    pod1 = [replica(x) for x in "abcd"]
+    pod2 = [replica(x) for x in "dcba"]
+    for i in range(50):
+        request = req(f"Tenant {i} system prompt. " * 60)
+        assert home(pod1, request).base_url == home(pod2, request).base_url
 
 
 def test_distinct_prefixes_spread_across_replicas() -> None:
     rs = [replica(x) for x in "abcd"]
+    homes = [home(rs, req(f"Tenant {i} system prompt. " * 60)).id for i in range(400)]
+    # 100 each on average; a binomial's standard deviation here is ~8.7.
+    assert all(75 <= homes.count(x) <= 125 for x in "abcd"), {x: homes.count(x) for x in "abcd"}
+
+
+def test_prefixes_in_use_are_split_evenly_between_the_replicas() -> None:
+    """The hash alone splits these 32 prompts 22/10; once they are in use, their homes are 18/14.
+
+    18: the mean, 16, plus half the spread a hash leaves (sqrt(16) = 4).
+    """
+    rs = [replica(x) for x in "ab"]
+    policy = PrefixAffinity(random.Random(1), placement=AnchorPlacement(refresh_s=0.0), members=rs)
+    prompts = [req(f"Tenant {i} system prompt. " * 60) for i in range(32)]
+    firsts = [policy.placement.order(p.prefix_keys[3], [r.base_url for r in rs])[0] for p in prompts]
+    assert sorted(firsts.count(r.base_url) for r in rs) == [10, 22]
+    for t in (0.0, 1.0):  # each in use from its second placement on
+        for p in prompts:
+            policy.pick(rs, p, t)
+    homes = [policy.pick(rs, p, 2.0).replica for p in prompts]
+    assert sorted(homes.count(r) for r in rs) == [14, 18]
+    # A retry away from home (home excluded) is not at home; the homes stay the pool's.
+    assert homes[0] is not None
+    d = policy.pick(rs, prompts[0], 3.0, exclude={homes[0].id})
+    assert d.replica is not homes[0] and d.reason == "affinity_spill"
+    assert policy.pick(rs, prompts[0], 3.0).replica is homes[0]
+
+
+def test_one_off_prefixes_are_placed_by_load() -> None:
+    """Where new prefixes seldom come back (retrieval over unique documents), a home does not pay."""
+    rs = [replica("a", requests=3), replica("b", requests=0)]
     policy = affinity()
-    for i in range(400):
-        chosen = send(policy, rs, req(f"Tenant {i} system prompt. " * 40))
-        chosen.outstanding_tokens += 100  # each keeps its load: the least loaded takes the next
-    # New prefixes go to the least loaded, so the load stays even.
-    assert {r.outstanding_tokens for r in rs} == {10_000}
+    reasons = [policy.pick(rs, req(f"Document {i}. " * 100), 0.0).reason for i in range(100)]
+    # The pool starts by homing prefixes; a new prefix not seen again while 64 newer ones
+    # came is a one-off, and once most are, load decides.
+    assert set(reasons[:64]) == {"affinity"} and set(reasons[-20:]) == {"new_prefix"}
+    assert policy.pick(rs, req("Document 500. " * 100), 0.0).replica is rs[1]
+    assert policy.placement.reuse() < 0.5
+    # A prefix that does come back gets its home, and enough of them make homes the rule again.
+    for _ in range(2):
+        for i in range(300):
+            policy.pick(rs, req(f"Chat system prompt {i}. " * 100), 1.0)
+    assert policy.placement.reuse() > 0.5
+    assert policy.pick(rs, req("A new system prompt. " * 100), 2.0).reason in {"affinity", "affinity_spill"}
+
+
+def test_a_short_common_opening_does_not_decide_the_home() -> None:
+    """Prompts that share fewer than anchor_blocks leading blocks are placed independently."""
+    rs = [replica(x) for x in "abcd"]
+    opening = "You are helpful. " * 20  # ~340 characters: one 256-character block
+    homes = {home(rs, req(opening + f"Topic {i}. " * 100)).id for i in range(20)}
+    assert len(homes) > 1
+
+
+def test_a_spill_goes_to_the_next_in_the_prefix_order_and_leaves_no_trace() -> None:
+    rs = [replica(x) for x in "abcd"]
+    policy = affinity(LoadBound(factor=1.25, margin_requests=2))
+    first = home(rs, req(SYSTEM_A))
+    # 4 replicas with 4 in flight each: the bound is 1.25 * (16 + 1) / 4 + 2 = 7.3125.
+    for r in rs:
+        r.outstanding_requests = 4
+    first.outstanding_requests = 6  # total 18: 1.25 * 19 / 4 + 2 = 7.9375 >= 6 + 1
+    assert policy.pick(rs, req(SYSTEM_A), 0.0).replica is first
+    first.outstanding_requests = 7  # total 19: 1.25 * 20 / 4 + 2 = 8.25 >= 7 + 1
+    assert policy.pick(rs, req(SYSTEM_A), 0.0).replica is first
+    first.outstanding_requests = 8  # total 20: 1.25 * 21 / 4 + 2 = 8.5625 < 8 + 1
+    spill = policy.pick(rs, req(SYSTEM_A), 0.0)
+    assert spill.replica is not first and spill.reason == "affinity_spill"
+    # The spill target is the prefix's second choice: the home's absence makes it the first.
+    rest = [r for r in rs if r is not first]
+    assert home(rest, req(SYSTEM_A)) is spill.replica
+    # Every spill of this prefix goes there, not to whichever replica is least busy.
+    assert spill.replica is not None
+    for other in rest:
+        if other is not spill.replica:
+            other.outstanding_requests = 3
+    assert policy.pick(rs, req(SYSTEM_A), 0.0).replica is spill.replica
+    # Home has room again: the prefix goes home; the spill left nothing behind.
+    first.outstanding_requests = 4
+    d = policy.pick(rs, req(SYSTEM_A), 0.0)
+    assert d.replica is first and d.reason == "affinity"
+
+
+def test_a_hot_prefix_spreads_over_its_order_as_its_load_needs() -> None:
+    rs = [replica(x) for x in "abcdefgh"]
+    policy = affinity(LoadBound(factor=1.25, margin_requests=1))
+    for _ in range(40):  # one prefix, requests that never finish
+        d = policy.pick(rs, req(SYSTEM_B), 0.0)
+        assert d.replica is not None
+        d.replica.outstanding_requests += 1
+    # Every replica stays within the bound: 1.25 x the mean (5) + 1.
+    assert max(r.outstanding_requests for r in rs) <= 1.25 * 40 / 8 + 1
+    # The replicas used are the first ones of the prefix's order, not any that had room.
+    order, rest = [], list(rs)
+    while rest:
+        order.append(home(rest, req(SYSTEM_B)))
+        rest.remove(order[-1])
+    used = [r for r in order if r.outstanding_requests]
+    assert used == order[: len(used)] and len(used) < len(rs)
 
 
 def test_short_prompt_goes_to_least_loaded() -> None:
@@ -247,18 +288,33 @@ def test_short_prompt_goes_to_least_loaded() -> None:
     assert d.replica is rs[1] and d.reason == "no_prefix"
 
 
+def test_short_prompt_prefers_fewer_sequences_over_fewer_tokens() -> None:
+    """A new prompt's prefill stalls every sequence on its replica: fewer of them wins."""
+    rs = [replica("a", tokens=300, requests=6), replica("b", tokens=2000, requests=1)]
+    d = affinity().pick(rs, RouteRequest(prompt_tokens=3), 0.0)
+    assert d.replica is rs[1] and d.reason == "no_prefix"
+
+
 def test_affinity_respects_exclude_on_retry() -> None:
     rs = [replica(x) for x in "abc"]
     policy = affinity()
-    first = send(policy, rs, req(SYSTEM_B))
+    first = home(rs, req(SYSTEM_B))
     retry = policy.pick(rs, req(SYSTEM_B), 0.0, exclude={first.id})
     assert retry.replica is not None and retry.replica is not first
 
 
-def test_gauges_feed_the_guard() -> None:
+def test_gauges_feed_the_bound() -> None:
+    """Other pods' requests, as the home replica reports them, count towards its load."""
     rs = [replica(x) for x in "ab"]
     policy = affinity()
-    warm = send(policy, rs, req(SYSTEM_A))
-    warm.observe({GAUGE_WAITING: 20.0, GAUGE_RUNNING: 40.0, GAUGE_KV_USAGE: 0.95})
+    first = home(rs, req(SYSTEM_A))
+    first.observe({GAUGE_WAITING: 20.0, GAUGE_RUNNING: 40.0, GAUGE_KV_USAGE: 0.95})
     d = policy.pick(rs, req(SYSTEM_A), 0.0)
-    assert d.replica is not warm and d.reason == "affinity_overloaded"
+    assert d.replica is not first and d.reason == "affinity_spill"
+
+
+def test_block_tokens_share_the_prompt_by_characters() -> None:
+    r = RouteRequest((1, 2, 3), prompt_tokens=300, max_tokens=50, prefix_ends=(256, 512, 768), prompt_chars=1000)
+    # 0.3 tokens per character: 76.8 -> 77 per block; the unkeyed end and the completion remain.
+    assert r.block_tokens() == ((77, 77, 77), 300 - 231 + 50)
+    assert RouteRequest(prompt_tokens=40, max_tokens=10).block_tokens() == ((), 50)

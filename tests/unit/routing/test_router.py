@@ -10,7 +10,6 @@ from replicas.replica import Breaker, Replica, ReplicaState
 from routing.config import CapacitySettings, RetryBudgetSettings, RoutingSettings
 from routing.metrics import RoutingMetrics
 from routing.policies import LeastRequests, PrefixAffinity, RoundRobin
-from routing.prefix_index import PrefixIndex
 from routing.router import PoolSpec, Router, make_policy
 
 SYSTEM = "You are the support assistant of a large company; answer politely and precisely. " * 20
@@ -46,9 +45,9 @@ def test_policy_names_make_their_policies() -> None:
     from routing.policies import LoadModel
 
     rng, load, aff = random.Random(0), LoadModel(), AffinitySettings()
-    assert isinstance(make_policy("prefix_affinity", rng, load, aff, PrefixIndex()), PrefixAffinity)
-    assert isinstance(make_policy("round_robin", rng, load, aff, None), RoundRobin)
-    assert isinstance(make_policy("least_requests", rng, load, aff, None), LeastRequests)
+    assert isinstance(make_policy("prefix_affinity", rng, load, aff), PrefixAffinity)
+    assert isinstance(make_policy("round_robin", rng, load, aff), RoundRobin)
+    assert isinstance(make_policy("least_requests", rng, load, aff), LeastRequests)
 
 
 def test_round_robin_from_config_cycles() -> None:
@@ -159,12 +158,14 @@ def test_decisions_by_policy_and_reason() -> None:
     rs = {"m": [replica("m", 0), replica("m", 1)]}
     router, registry = build([PoolSpec("m", "t")], rs)
     route = router.route("m", chat("hello", system=SYSTEM), 500, 10)
-    route(set())
-    labels = {"model": "m", "policy": "prefix_affinity", "reason": "new_prefix"}
+    first = route(set())
+    labels = {"model": "m", "policy": "prefix_affinity", "reason": "affinity"}
     assert registry.get_sample_value("fleetgate_routing_decisions_total", labels) == 1
+    assert first is not None
+    first.outstanding_requests = 21  # the bound: 1.25 * (21 + 1) / 2 + 8 = 21.75 < 21 + 1, so it spills
     again = router.route("m", chat("hello again", system=SYSTEM), 500, 10)
-    again(set())
-    labels["reason"] = "affinity"
+    assert again(set()) is not first
+    labels["reason"] = "affinity_spill"
     assert registry.get_sample_value("fleetgate_routing_decisions_total", labels) == 1
     assert registry.get_sample_value("fleetgate_routing_affinity_hits_total", {"model": "m"}) == 1
 
@@ -220,3 +221,15 @@ def test_log_fields_for_a_classified_request() -> None:
     assert entry["route"] == "no_prefix" and entry["queued_ms"] == 250.0
     assert "fallback" not in entry
     assert route.cost == 60 + 256  # no max_tokens: the routing estimate
+
+
+def test_the_prefix_index_forgets_replicas_that_left_the_pool() -> None:
+    members = [replica("m", 0), replica("m", 1)]
+    router, _ = build([PoolSpec("m", "t")], {"m": members})
+    for i in range(8):
+        router.route("m", chat(f"question {i}", system=f"{i} " + SYSTEM), 500, 10)(set())
+    index = router.pools["m"].index
+    assert index is not None and index.replicas() == 2
+    members.pop()  # discovery removed it, in place
+    router.route("m", chat("one more", system=SYSTEM), 500, 10)(set())
+    assert index.replicas() == 1

@@ -1,0 +1,743 @@
+"""Prefix-aware routing on real vLLM under KV pressure: each replica's own prefix-cache hit rate per policy.
+
+The regime where routing matters on a GPU fleet: many chat requests behind a few dozen
+long shared system prompts, on replicas whose KV cache holds only part of them (by default
+60% of the prompts' tokens each: less than the working set, more than half of it). A
+router that splits the prompts between the replicas keeps each one's share cached; one
+that spreads every prompt over every replica makes them all thrash.
+
+Two CPU vLLM replicas of the tiny test model (``scripts/build_tiny_model.py``), started by
+the gateway's own launcher (``replicas.fleet.Fleet``) with ``--enable-prefix-caching`` and
+``--num-gpu-blocks-override`` sized from the workload; gateway processes (``fleetgate
+serve``) in front of them as ``url:`` replicas, so that two gateway pods can share them.
+Rows, each on caches emptied first (vLLM's ``/reset_prefix_cache``), all sending the same
+requests in the same order from a closed loop of ``concurrency`` clients:
+
+- ``prefix_affinity`` (the default) with one gateway pod, and with two, the client
+  alternating between them;
+- ``round_robin`` and ``least_requests`` through one gateway pod;
+- ``client_hash``: the client sends each request straight to the replica an MD5 of its
+  system prompt picks (no gateway): the reference a router has to match.
+
+The judge is vLLM's own ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``
+(tokens), per row and per quarter of the row's requests; the client measures time to first
+token (the first streamed chunk with a choice, as vLLM's benchmark client does) and
+errors. ``--engine sim`` runs the same workload on the simulator (``engine: sim``, the H100
+profile with the same block size and the same KV share), for the comparison table of
+``bench/results/routing-vllm.md``; the default runs both.
+
+    .venv/bin/python bench/routing_vllm.py              # both engines, 3 prompt sets
+    .venv/bin/python bench/routing_vllm.py --quick      # one prompt set, 120 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp
+import orjson
+
+from bench.routing_fleet import ADMIN_KEY, MODEL, FleetSpec, PolicyFleet, TenantSpec
+from bench.soak import cpu_name
+from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings, RestartSettings, SimSettings
+from replicas.fleet import Fleet
+from replicas.health import parse_vllm_metrics
+from replicas.replica import GAUGE_KV_CAPACITY_TOKENS
+from replicas.sim_engine import CHARS_PER_TOKEN
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+VLLM_PYTHON = Path(os.environ.get("FLEETGATE_VLLM_VENV", str(ROOT / ".venv-vllm"))) / "bin" / "python"
+MODEL_DIR = ROOT / ".cache" / "tiny-llama"
+CORPUS_DIR = Path("/usr/share/common-licenses")
+TENANT = TenantSpec("bench", "sk-routing-vllm-bench")
+ROWS = ("prefix_affinity", "prefix_affinity x2", "round_robin", "least_requests", "client_hash")
+DEFAULT_ROW = "prefix_affinity"
+REFERENCE_ROW = "client_hash"
+# vLLM's CPU backend allocates KV in blocks of 128 tokens; the simulator is given the same.
+BLOCK_SIZE = 128
+# Long enough for a prompt of the workload plus its answer; vLLM needs a cache of at least
+# one such sequence (16 blocks).
+MAX_MODEL_LEN = 2048
+# As the end-to-end tests run vLLM: --enforce-eager skips a torch.compile warm-up whose
+# cache does not load back on CPU.
+VLLM_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16", "--enforce-eager", "--enable-prefix-caching"]
+SIM_PROFILE = "h100-llama-3.1-8b"
+REPLICA_START_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 120.0
+# Requests sent straight to the replicas before the first row (not measured).
+WARM_UP_REQUESTS = 64
+RESET_TIMEOUT_S = 30.0
+SCRAPE_TIMEOUT_S = 10.0
+# The bars of the routing issue, all measured in one run.
+HIT_RATE_MARGIN = 0.03
+TTFT_RATIO_BAR = 1.1
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One run: the workload, the fleet and which rows to play."""
+
+    engine: str = "vllm"
+    replicas: int = 2
+    prompts: int = 32
+    prompt_tokens: int = 1400
+    user_words: int = 12
+    max_tokens: int = 16
+    requests: int = 400
+    concurrency: int = 8
+    kv_share: float = 0.6
+    seeds: tuple[int, ...] = (1, 2, 3)
+    rows: tuple[str, ...] = ROWS
+
+
+# --- the workload (pure) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """System prompts and the request stream: (index of the system prompt, user turn) in sending order."""
+
+    systems: tuple[str, ...]
+    requests: tuple[tuple[int, str], ...]
+    tokens: int  # the system prompts' tokens, all together: the working set
+
+
+def vocabulary() -> list[str]:
+    """Words to write prompts with: the licence texts the tiny model's tokenizer was trained on."""
+    words: set[str] = set()
+    if CORPUS_DIR.is_dir():
+        for path in sorted(CORPUS_DIR.iterdir()):
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                words.update(re.findall(r"[a-z]{3,12}", path.read_text().lower()))
+    if len(words) < 200:  # no corpus here: pronounceable made-up words
+        rng = random.Random(0)
+        syllables = [c + v for c in "bcdfghklmnprstvz" for v in "aeiou"]
+        words = {"".join(rng.choice(syllables) for _ in range(rng.randint(2, 4))) for _ in range(2000)}
+    return sorted(words)
+
+
+def build_workload(
+    config: BenchConfig, seed: int, words: Sequence[str], cut: Callable[[list[str]], tuple[list[str], int]]
+) -> Workload:
+    """Seeded system prompts, each cut to ``prompt_tokens`` tokens by ``cut``, and the request stream.
+
+    ``cut(texts) -> (texts cut to prompt_tokens tokens each, their tokens in all)`` is the
+    engine's tokenizer. Every request draws its system prompt uniformly: the whole working set
+    stays in use for the whole run.
+    """
+    rng = random.Random(f"routing-vllm:{seed}")
+    drafts = [
+        f"System prompt {i} of set {seed}. " + " ".join(rng.choices(words, k=config.prompt_tokens * 2))
+        for i in range(config.prompts)
+    ]
+    systems, tokens = cut(drafts)
+    stream = tuple(
+        (rng.randrange(config.prompts), f"Request {n}: " + " ".join(rng.choices(words, k=config.user_words)) + "?")
+        for n in range(config.requests)
+    )
+    return Workload(tuple(systems), stream, tokens)
+
+
+def hf_cutter(model_dir: Path, prompt_tokens: int) -> Callable[[list[str]], tuple[list[str], int]]:
+    """Cut texts with the served model's own tokenizer (run in the vLLM environment, which has it)."""
+
+    def cut(texts: list[str]) -> tuple[list[str], int]:
+        script = (
+            "import json, sys\n"
+            "from tokenizers import Tokenizer\n"
+            "t = Tokenizer.from_file(sys.argv[1])\n"
+            "n = int(sys.argv[2])\n"
+            "out = []\n"
+            "for text in json.load(sys.stdin):\n"
+            "    enc = t.encode(text, add_special_tokens=False)\n"
+            "    end = enc.offsets[min(n, len(enc.ids)) - 1][1]\n"
+            "    out.append([text[:end], min(n, len(enc.ids))])\n"
+            "json.dump(out, sys.stdout)\n"
+        )
+        done = subprocess.run(
+            [str(VLLM_PYTHON), "-c", script, str(model_dir / "tokenizer.json"), str(prompt_tokens)],
+            input=json.dumps(texts),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        pairs = json.loads(done.stdout)
+        return [p[0] for p in pairs], sum(p[1] for p in pairs)
+
+    return cut
+
+
+def sim_cutter(prompt_tokens: int) -> Callable[[list[str]], tuple[list[str], int]]:
+    """The simulator's tokenizer: ``CHARS_PER_TOKEN`` characters a token."""
+
+    def cut(texts: list[str]) -> tuple[list[str], int]:
+        out = [t[: prompt_tokens * CHARS_PER_TOKEN] for t in texts]
+        return out, sum(-(-len(t) // CHARS_PER_TOKEN) for t in out)
+
+    return cut
+
+
+def kv_blocks(config: BenchConfig, working_set_tokens: int) -> int:
+    """Blocks per replica: ``kv_share`` of the working set, and at least one full-length sequence."""
+    return max(math.ceil(config.kv_share * working_set_tokens / BLOCK_SIZE), -(-MAX_MODEL_LEN // BLOCK_SIZE))
+
+
+def client_hash(system: str, replicas: int) -> int:
+    """The reference router: an MD5 of the system prompt, modulo the replicas."""
+    return int.from_bytes(hashlib.md5(system.encode()).digest()[:8], "little") % replicas
+
+
+# --- results (pure) ---------------------------------------------------------------------------
+
+
+@dataclass
+class RowResult:
+    """One row of one prompt set: what vLLM counted and what the client saw."""
+
+    row: str
+    seed: int
+    hit_rate: float
+    quarters: list[float]
+    ttft_s: list[float] = field(repr=False)
+    errors: int
+    per_replica: dict[str, float]
+    seconds: float
+    # The gateway pods' routing decisions by reason (fleetgate_routing_decisions_total).
+    decisions: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ttft_p50(self) -> float:
+        return percentile(self.ttft_s, 50)
+
+    @property
+    def ttft_p95(self) -> float:
+        return percentile(self.ttft_s, 95)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        del out["ttft_s"]
+        out["ttft_p50_s"], out["ttft_p95_s"], out["requests"] = self.ttft_p50, self.ttft_p95, len(self.ttft_s)
+        return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def hit_rate(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float:
+    """Prefix-cache hits over queries (tokens) between two readings of every replica's counters."""
+    queries = sum(after[r][0] - before[r][0] for r in after)
+    hits = sum(after[r][1] - before[r][1] for r in after)
+    return hits / queries if queries > 0 else math.nan
+
+
+def verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
+    """The bars, per prompt set: (bar, what it asks, what was measured, passed)."""
+    out: list[tuple[str, str, str, bool]] = []
+    by_seed: dict[int, dict[str, RowResult]] = {}
+    for r in results:
+        by_seed.setdefault(r.seed, {})[r.row] = r
+    for seed, rows in sorted(by_seed.items()):
+        ref = rows.get(REFERENCE_ROW)
+        for name in (DEFAULT_ROW, f"{DEFAULT_ROW} x2"):
+            row = rows.get(name)
+            if row is None or ref is None:
+                continue
+            out.append(
+                (
+                    f"set {seed}: {name} hit rate",
+                    f">= client hash - {HIT_RATE_MARGIN}",
+                    f"{row.hit_rate:.3f} vs {ref.hit_rate:.3f}",
+                    row.hit_rate >= ref.hit_rate - HIT_RATE_MARGIN,
+                )
+            )
+            first, last = row.quarters[0], row.quarters[-1]
+            out.append(
+                (
+                    f"set {seed}: {name} steady",
+                    f"last quarter >= first - {HIT_RATE_MARGIN}",
+                    f"{last:.3f} vs {first:.3f}",
+                    last >= first - HIT_RATE_MARGIN,
+                )
+            )
+            out.append(
+                (
+                    f"set {seed}: {name} TTFT p50",
+                    f"<= {TTFT_RATIO_BAR}x client hash's",
+                    f"{row.ttft_p50 * 1000:.0f} ms vs {ref.ttft_p50 * 1000:.0f} ms",
+                    row.ttft_p50 <= TTFT_RATIO_BAR * ref.ttft_p50,
+                )
+            )
+            out.append((f"set {seed}: {name} errors", "0", str(row.errors), row.errors == 0))
+    return out
+
+
+# --- the edge: replicas, gateways, the client ---------------------------------------------------
+
+
+def replica_models(config: BenchConfig, blocks: int, model_dir: Path) -> list[ModelSettings]:
+    """The replicas as the gateway's launcher takes them: one per core for vLLM."""
+    if config.engine == "sim":
+        sim = ReplicaSettings(
+            engine="sim",
+            count=config.replicas,
+            sim=SimSettings(profile=SIM_PROFILE),
+            args=["--num-gpu-blocks-override", str(blocks), "--block-size", str(BLOCK_SIZE)],
+        )
+        return [ModelSettings(name=MODEL, replicas=[sim])]
+    cores = os.cpu_count() or 1
+    replicas = [
+        ReplicaSettings(
+            engine="vllm",
+            python=str(VLLM_PYTHON),
+            model_path=str(model_dir),
+            args=[*VLLM_ARGS, "--num-gpu-blocks-override", str(blocks)],
+            env={
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": str(i % cores),
+                # For /reset_prefix_cache between rows.
+                "VLLM_SERVER_DEV_MODE": "1",
+            },
+        )
+        for i in range(config.replicas)
+    ]
+    return [ModelSettings(name=MODEL, replicas=replicas)]
+
+
+def build_tiny_model() -> Path:
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "scripts" / "build_tiny_model.py"), "--out", str(MODEL_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=True,
+    )
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+async def counters(session: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """Each replica's (prefix-cache queries, hits) counters."""
+    out: dict[str, tuple[float, float]] = {}
+    for url in urls:
+        gauges = await scrape(session, url)
+        out[url] = (gauges.get("vllm:prefix_cache_queries_total", 0.0), gauges.get("vllm:prefix_cache_hits_total", 0.0))
+    return out
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as resp:
+        resp.raise_for_status()
+        return parse_vllm_metrics(await resp.text())
+
+
+_DECISION = re.compile(r'^fleetgate_routing_decisions_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$', re.MULTILINE)
+
+
+async def decisions(session: aiohttp.ClientSession, gateway_url: str) -> dict[str, float]:
+    """A gateway's routing decisions by reason, from its /metrics (empty when it does not answer)."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async with session.get(
+            f"{gateway_url}/metrics", headers=headers, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+        ) as resp:
+            if resp.status == 200:
+                out: dict[str, float] = {}
+                for reason, value in _DECISION.findall(await resp.text()):
+                    out[reason] = out.get(reason, 0.0) + float(value)
+                return out
+    return {}
+
+
+async def reset_caches(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+    """Empty every replica's prefix cache (retried while a request still holds blocks)."""
+    deadline = time.monotonic() + RESET_TIMEOUT_S
+    for url in urls:
+        while True:
+            async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                ok = resp.status == 200 and (await resp.json(content_type=None)).get("success", True)
+            if ok:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url}: the prefix cache would not reset")
+            await asyncio.sleep(0.2)
+
+
+async def stream_one(
+    session: aiohttp.ClientSession, url: str, api_key: str | None, system: str, user: str, max_tokens: int
+) -> float:
+    """Send one streamed chat request; seconds to its first chunk with a choice. Raises on any failure."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    start = time.perf_counter()
+    first: float | None = None
+    async with session.post(
+        f"{url}/v1/chat/completions",
+        data=orjson.dumps(body),
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+    ) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.content.read(500)).decode(errors='replace')}")
+        done = False
+        async for line in resp.content:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            chunk = orjson.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - start
+        if not done or first is None:
+            raise RuntimeError("the stream ended early")
+    return first
+
+
+async def play(
+    session: aiohttp.ClientSession,
+    workload: Workload,
+    config: BenchConfig,
+    targets: Callable[[int, int], tuple[str, str | None]],
+    replica_urls: Sequence[str],
+) -> tuple[list[float], int, list[dict[str, tuple[float, float]]]]:
+    """Send the workload from ``concurrency`` clients; TTFTs, errors, and counters at each quarter.
+
+    ``targets(n, system_index) -> (url, api key)`` says where request ``n`` goes.
+    """
+    queue = iter(enumerate(workload.requests))
+    ttfts: list[float] = []
+    errors = 0
+    completed = 0
+    total = len(workload.requests)
+    marks = [total * q // 4 for q in (1, 2, 3)]
+    readings: list[dict[str, tuple[float, float]]] = [await counters(session, replica_urls)]
+    scrapes: list[asyncio.Task[dict[str, tuple[float, float]]]] = []
+
+    async def client() -> None:
+        nonlocal errors, completed
+        for n, (system_index, user) in queue:
+            url, key = targets(n, system_index)
+            try:
+                ttfts.append(
+                    await stream_one(session, url, key, workload.systems[system_index], user, config.max_tokens)
+                )
+            except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+                errors += 1
+                print(f"  request {n} failed: {exc}", file=sys.stderr)
+            completed += 1
+            if completed in marks:
+                scrapes.append(asyncio.create_task(counters(session, replica_urls)))
+
+    await asyncio.gather(*(client() for _ in range(config.concurrency)))
+    readings += [await task for task in scrapes]
+    readings.append(await counters(session, replica_urls))
+    return ttfts, errors, readings
+
+
+async def run_row(
+    session: aiohttp.ClientSession,
+    row: str,
+    seed: int,
+    workload: Workload,
+    config: BenchConfig,
+    replica_urls: Sequence[str],
+    work_dir: Path,
+) -> RowResult:
+    await reset_caches(session, replica_urls)
+    started = time.monotonic()
+    reasons: dict[str, float] = {}
+    if row == REFERENCE_ROW:
+        homes = [replica_urls[client_hash(s, len(replica_urls))] for s in workload.systems]
+        ttfts, errors, readings = await play(session, workload, config, lambda n, i: (homes[i], None), replica_urls)
+    else:
+        policy, _, pods = row.partition(" x")
+        spec = FleetSpec(
+            policy=policy,
+            replicas=len(replica_urls),
+            tenants=(TENANT,),
+            nice=0,
+            extra={
+                "models": [{"name": MODEL, "replicas": [{"url": u} for u in replica_urls]}],
+                # While vLLM works on these two cores the gateway can wait seconds for CPU.
+                "upstream": {"connect_timeout_s": 15.0},
+            },
+        )
+        async with contextlib.AsyncExitStack() as stack:
+            gateways = [
+                await stack.enter_async_context(PolicyFleet(spec, work_dir / f"{seed}-{row}-pod{i}"))
+                for i in range(int(pods or 1))
+            ]
+            urls = [g.url for g in gateways]
+            ttfts, errors, readings = await play(
+                session, workload, config, lambda n, i: (urls[n % len(urls)], TENANT.api_key), replica_urls
+            )
+            for url in urls:
+                for reason, count in (await decisions(session, url)).items():
+                    reasons[reason] = reasons.get(reason, 0.0) + count
+    quarters = [hit_rate(a, b) for a, b in itertools.pairwise(readings)]
+    first, last = readings[0], readings[-1]
+    per_replica = {f"r{k}": hit_rate({u: first[u]}, {u: last[u]}) for k, u in enumerate(replica_urls)}
+    seconds = time.monotonic() - started
+    return RowResult(row, seed, hit_rate(first, last), quarters, ttfts, errors, per_replica, seconds, reasons)
+
+
+async def run_engine(config: BenchConfig, log: Callable[[str], None]) -> dict[str, Any]:
+    """Every prompt set and row on one engine's replicas; a JSON-able summary."""
+    model_dir = build_tiny_model() if config.engine == "vllm" else MODEL_DIR
+    words = vocabulary()
+    cut = hf_cutter(model_dir, config.prompt_tokens) if config.engine == "vllm" else sim_cutter(config.prompt_tokens)
+    workloads = {seed: build_workload(config, seed, words, cut) for seed in config.seeds}
+    working_set = max(w.tokens for w in workloads.values())
+    blocks = kv_blocks(config, working_set)
+    log(f"[{config.engine}] working set {working_set:,} tokens; {blocks} blocks of {BLOCK_SIZE} per replica")
+    results: list[RowResult] = []
+    with tempfile.TemporaryDirectory(prefix="routing-vllm-") as tmp:
+        work = Path(tmp)
+        fleet = Fleet(
+            replica_models(config, blocks, model_dir),
+            HealthSettings(interval_s=0.5, timeout_s=15.0, start_timeout_s=REPLICA_START_TIMEOUT_S),
+            log_dir=work / "replicas",
+            restart=RestartSettings(),
+        )
+        async with fleet, aiohttp.ClientSession() as session:
+            started = time.monotonic()
+            if not await fleet.wait_healthy(REPLICA_START_TIMEOUT_S, every=True):
+                raise RuntimeError(f"replicas not healthy after {REPLICA_START_TIMEOUT_S:.0f} s; logs: {work}")
+            urls = [r.base_url for r in fleet.all()]
+            log(f"[{config.engine}] {len(urls)} replicas healthy in {time.monotonic() - started:.0f} s")
+            capacity = [(await scrape(session, u)).get(GAUGE_KV_CAPACITY_TOKENS) for u in urls]
+            # A fresh engine's first requests are slow (allocations, first kernels): warm it
+            # up, so the first row measured is not the only one to pay for that.
+            warm = build_workload(
+                dataclasses.replace(config, prompts=config.concurrency, requests=WARM_UP_REQUESTS), 0, words, cut
+            )
+            warm_ttfts, warm_errors, _ = await play(
+                session, warm, config, lambda n, i: (urls[n % len(urls)], None), urls
+            )
+            log(f"[{config.engine}] warm-up: {len(warm_ttfts)} requests, {warm_errors} errors")
+            for k, seed in enumerate(config.seeds):
+                # Alternate the order of the rows so a drift of the machine's load favours none.
+                rows = config.rows if k % 2 == 0 else tuple(reversed(config.rows))
+                for row in rows:
+                    result = await run_row(session, row, seed, workloads[seed], config, urls, work)
+                    results.append(result)
+                    log(
+                        f"[{config.engine}] set {seed} {row:20s} hit {result.hit_rate:.3f} "
+                        f"quarters {' '.join(f'{q:.2f}' for q in result.quarters)} "
+                        f"TTFT p50 {result.ttft_p50 * 1000:.0f} ms p95 {result.ttft_p95 * 1000:.0f} ms "
+                        f"errors {result.errors} ({result.seconds:.0f} s) {_reasons(result.decisions)}"
+                    )
+    return {
+        "engine": config.engine,
+        "config": dataclasses.asdict(config),
+        "working_set_tokens": working_set,
+        "blocks_per_replica": blocks,
+        "kv_capacity_tokens_scraped": capacity,
+        "rows": [r.to_json() for r in results],
+        "verdicts": [{"bar": b, "asks": a, "measured": m, "passed": p} for b, a, m, p in verdicts(results)],
+        "_results": results,
+    }
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def summary_table(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Per row: the hit rate on each engine (median over prompt sets, range) and vLLM's TTFT."""
+    engines = [r["engine"] for r in runs]
+    lines = [
+        "| row | "
+        + " | ".join(f"{e}: hit rate (median [min-max])" for e in engines)
+        + " | vLLM TTFT p50 / p95 | errors |",
+        "| --- | " + " | ".join("---:" for _ in engines) + " | ---: | ---: |",
+    ]
+    rows = runs[0]["config"]["rows"]
+    for row in rows:
+        cells = []
+        for run in runs:
+            rates = [r.hit_rate for r in run["_results"] if r.row == row]
+            cells.append(f"{statistics.median(rates):.3f} [{min(rates):.3f}-{max(rates):.3f}]" if rates else "-")
+        vllm = next((r for r in runs if r["engine"] == "vllm"), runs[0])
+        rs = [r for r in vllm["_results"] if r.row == row]
+        ttft = [t for r in rs for t in r.ttft_s]
+        errors = sum(r.errors for r in rs)
+        lines.append(
+            f"| {row} | "
+            + " | ".join(cells)
+            + f" | {percentile(ttft, 50) * 1000:.0f} / {percentile(ttft, 95) * 1000:.0f} ms"
+            f" | {errors} |"
+        )
+    return lines
+
+
+def _reasons(decisions: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions.items())) or "-"
+
+
+def detail_table(run: dict[str, Any]) -> list[str]:
+    lines = [
+        "| set | row | hit rate | by quarter | per replica | TTFT p50 | TTFT p95 | errors | gateway decisions |",
+        "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for r in run["_results"]:
+        quarters = " ".join(f"{q:.2f}" for q in r.quarters)
+        replicas = " ".join(f"{k} {v:.2f}" for k, v in r.per_replica.items())
+        lines.append(
+            f"| {r.seed} | {r.row} | {r.hit_rate:.3f} | {quarters} | {replicas} | {r.ttft_p50 * 1000:.0f} ms "
+            f"| {r.ttft_p95 * 1000:.0f} ms | {r.errors} | {_reasons(r.decisions)} |"
+        )
+    return lines
+
+
+def report(runs: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
+    config = runs[0]["config"]
+    out = [
+        "# Routing on real vLLM under KV pressure",
+        "",
+        f"`{meta['command']}` ({meta['minutes']:.1f} min, {meta['started']}, commit `{meta['commit']}`, "
+        f"CPU: {meta['cpu']}).",
+        "",
+        "## The bars (vLLM)",
+        "",
+        "| bar | asks | measured | verdict |",
+        "| --- | --- | --- | --- |",
+    ]
+    vllm = next((r for r in runs if r["engine"] == "vllm"), None)
+    if vllm is None:
+        out.append("| - | - | no vLLM run | - |")
+    else:
+        for v in vllm["verdicts"]:
+            out.append(f"| {v['bar']} | {v['asks']} | {v['measured']} | {'pass' if v['passed'] else '**fail**'} |")
+    out += ["", "## Hit rate per row, vLLM beside the simulator", "", *summary_table(runs), ""]
+    for run in runs:
+        out += [f"## Every row: {run['engine']}", "", *detail_table(run), ""]
+    out += [
+        "## Method",
+        "",
+        f"- **Replicas**: {config['replicas']}, started by the gateway's launcher. vLLM: `vllm-cpu` with the tiny "
+        f"test model (`scripts/build_tiny_model.py`), `{' '.join(VLLM_ARGS)}`, one core each "
+        f"(`VLLM_CPU_OMP_THREADS_BIND`). Simulator: profile `{SIM_PROFILE}` with the same block size. Each run "
+        "sizes the KV cache with `--num-gpu-blocks-override` to "
+        f"{config['kv_share']:.0%} of the working set (the largest prompt set's): "
+        + "; ".join(
+            f"{r['engine']} {r['blocks_per_replica']} blocks of {BLOCK_SIZE} tokens "
+            f"(scraped `vllm:cache_config_info`: {r['kv_capacity_tokens_scraped']})"
+            for r in runs
+        )
+        + ".",
+        f"- **Workload**: {config['prompts']} system prompts of {config['prompt_tokens']} tokens (the engine's "
+        f"tokenizer; words of the licence texts), a {config['user_words']}-word user turn of its own per request, "
+        f"{config['max_tokens']} tokens out (`ignore_eos`), streamed; {config['requests']} requests per row, each "
+        f"drawing its system prompt uniformly, from {config['concurrency']} clients in a closed loop. Prompt sets "
+        f"(seeds) {', '.join(map(str, config['seeds']))}: each set is new text, so the hash splits it anew.",
+        f"- **Rows**: after the replicas start, {WARM_UP_REQUESTS} unmeasured requests warm the engines up; "
+        "every row starts on emptied prefix caches (`POST /reset_prefix_cache`, vLLM with "
+        "`VLLM_SERVER_DEV_MODE=1`) and sends the same requests in the same order; the rows' order alternates from "
+        "one set to the next. Gateway rows: `fleetgate serve` processes with the replicas as `url:` sources and "
+        "default settings but `routing.policy`; `x2` is two gateway processes, request n to pod n mod 2. "
+        "`client_hash`: straight to the replica an MD5 of the system prompt picks.",
+        "- **Hit rate**: the replicas' own `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` (tokens), "
+        "deltas over the row, and over each quarter of its requests (read as the 1st, 2nd and 3rd quarter complete). "
+        "The first quarter holds every prompt's first, cold request. **TTFT**: client-side, to the first streamed "
+        "chunk with a choice.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def git_commit() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+        return done.stdout.strip() or "unknown"
+    return "unknown"
+
+
+async def run(configs: Sequence[BenchConfig], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    return [await run_engine(c, log) for c in configs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=("both", "vllm", "sim"), default="both")
+    parser.add_argument("--quick", action="store_true", help="one prompt set of 120 requests")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--seeds", type=str, default=None, help="prompt sets, e.g. 1,2,3")
+    parser.add_argument("--rows", type=str, default=None, help=f"comma-separated, of: {', '.join(ROWS)}")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    base = BenchConfig()
+    if args.quick:
+        base = dataclasses.replace(base, requests=120, seeds=(1,))
+    if args.requests:
+        base = dataclasses.replace(base, requests=args.requests)
+    if args.seeds:
+        base = dataclasses.replace(base, seeds=tuple(int(s) for s in args.seeds.split(",")))
+    if args.rows:
+        rows = tuple(r.strip() for r in args.rows.split(","))
+        unknown = set(rows) - set(ROWS)
+        if unknown:
+            parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
+        base = dataclasses.replace(base, rows=rows)
+    engines = ("vllm", "sim") if args.engine == "both" else (args.engine,)
+    configs = [dataclasses.replace(base, engine=e) for e in engines]
+    started = time.time()
+    runs = asyncio.run(run(configs, lambda line: print(line, flush=True)))
+    meta = {
+        "command": "bench/routing_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "minutes": (time.time() - started) / 60,
+        "commit": git_commit(),
+        "cpu": cpu_name(),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "routing-vllm.md").write_text(report(runs, meta))
+    doc = {"meta": meta, "runs": [{k: v for k, v in r.items() if k != "_results"} for r in runs]}
+    (args.out / "routing-vllm.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out / 'routing-vllm.md'}")
+    vllm = next((r for r in runs if r["engine"] == "vllm"), None)
+    return 0 if vllm is None or all(v["passed"] for v in vllm["verdicts"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Homes for the prefixes in use: balanced, a function of the set alone, and moving little."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from routing.prefix_placement import AnchorPlacement, address_seed, rendezvous_weight
+
+TWO = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+FOUR = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
+
+
+def use(placement: AnchorPlacement, anchors: list[int], members: list[str], now: float, times: int = 2) -> None:
+    for _ in range(times):
+        for anchor in anchors:
+            placement.home(anchor, members, now)
+
+
+def keys(n: int) -> list[int]:
+    return [random.Random(i).getrandbits(64) for i in range(n)]
+
+
+def test_the_order_is_by_rendezvous_weight() -> None:
+    order = AnchorPlacement().order(42, FOUR)
+    weights = [rendezvous_weight(42, address_seed(m)) for m in order]
+    assert weights == sorted(weights, reverse=True) and sorted(order) == sorted(FOUR)
+
+
+def test_a_prefix_seen_once_goes_to_its_first_choice_and_is_not_kept() -> None:
+    placement = AnchorPlacement(refresh_s=0.0)
+    assert placement.home(7, TWO, 0.0) == placement.order(7, TWO)[0]
+    assert placement.homes() == {}
+    placement.home(7, TWO, 1.0)  # the second use: in use, homed
+    assert placement.homes() == {7: placement.order(7, TWO)[0]}
+
+
+def test_a_retry_is_not_one_more_use() -> None:
+    placement = AnchorPlacement(refresh_s=0.0)
+    placement.home(7, TWO, 0.0)
+    placement.home(7, TWO, 1.0, seen=False)
+    assert placement.homes() == {}
+
+
+def test_the_working_set_is_split_evenly_where_a_hash_would_not() -> None:
+    anchors = list(range(1000, 1032))
+    placement = AnchorPlacement(refresh_s=0.0, slack=0.0)
+    firsts = [placement.order(a, TWO)[0] for a in anchors]
+    assert sorted(firsts.count(m) for m in TWO) == [13, 19]
+    use(placement, anchors, TWO, 0.0)
+    use(placement, anchors[:1], TWO, 5.0)  # a last pass with every prefix in use
+    homes = placement.homes()
+    assert sorted(list(homes.values()).count(m) for m in TWO) == [16, 16]
+    # Only the excess of the replica the hash favoured moved.
+    assert sum(homes[a] != f for a, f in zip(anchors, firsts, strict=True)) == 19 - 16
+
+
+def test_the_default_slack_corrects_only_what_a_hash_rarely_does() -> None:
+    """The bound is the mean plus half a hash's spread: 16 + 0.5 * sqrt(16) = 18 of 32 on 2 replicas."""
+    anchors = list(range(1000, 1032))
+    placement = AnchorPlacement(refresh_s=0.0)
+    use(placement, anchors, TWO, 0.0)
+    use(placement, anchors[:1], TWO, 5.0)
+    assert sorted(list(placement.homes().values()).count(m) for m in TWO) == [14, 18]
+
+
+def test_pods_that_saw_the_same_prefixes_in_another_order_agree() -> None:
+    anchors = keys(200)
+    pod1, pod2 = AnchorPlacement(refresh_s=0.0), AnchorPlacement(refresh_s=0.0)
+    use(pod1, anchors, FOUR, 0.0)
+    shuffled = list(anchors)
+    random.Random(1).shuffle(shuffled)
+    use(pod2, shuffled, list(reversed(FOUR)), 0.0)
+    for pod in (pod1, pod2):
+        pod.home(anchors[0], FOUR, 5.0)  # a pass over the same set
+    assert pod1.homes() == pod2.homes()
+    counts = [list(pod1.homes().values()).count(m) for m in FOUR]
+    assert max(counts) <= 50 + 0.5 * 50**0.5 + 1
+
+
+def test_one_more_prefix_moves_at_most_one_other() -> None:
+    anchors = keys(41)
+    placement = AnchorPlacement(refresh_s=0.0, slack=0.0)
+    use(placement, anchors[:40], FOUR, 0.0)
+    use(placement, anchors[:1], FOUR, 1.0)
+    before = placement.homes()
+    use(placement, anchors[40:], FOUR, 2.0)
+    use(placement, anchors[:1], FOUR, 3.0)
+    after = placement.homes()
+    assert sum(before[a] != after[a] for a in before) <= 1
+
+
+def test_between_passes_a_new_prefix_in_use_goes_where_there_is_room() -> None:
+    """Passes wait ``refresh_s``; meanwhile a prefix whose first choice is full takes its next one."""
+    placement = AnchorPlacement(refresh_s=2.0, slack=0.0)
+    first = {a: placement.order(a, TWO)[0] for a in range(100)}
+    a, b = [k for k in range(100) if first[k] == TWO[0]][:2]
+    placement.home(a, TWO, 0.0)  # a pass at once (new members), before a was in use
+    placement.home(a, TWO, 0.1)  # in use: homed on its first choice until the next pass
+    placement.home(b, TWO, 0.2)
+    assert placement.home(b, TWO, 0.3) == TWO[1]  # in use; one home each is the bound
+    assert placement.homes() == {a: TWO[0], b: TWO[1]}
+    placement.home(a, TWO, 2.5)  # the pass: one each still, by weight
+    assert sorted(placement.homes().values()) == sorted(TWO)
+
+
+def test_new_replicas_take_their_share_and_a_departed_ones_prefixes_spread() -> None:
+    anchors = keys(90)
+    placement = AnchorPlacement(refresh_s=0.0)
+    use(placement, anchors, FOUR[:3], 0.0)
+    three = placement.homes()
+    placement.home(anchors[0], FOUR, 1.0)  # the pool grew: placed again at once
+    four = placement.homes()
+    counts = sorted(list(four.values()).count(m) for m in FOUR)
+    assert sum(counts) == 90 and counts[-1] <= 25  # 22.5 + 0.5 * sqrt(22.5), rounded up
+    # Consistent hashing: mostly the prefixes whose first choice is the new replica moved.
+    assert sum(three[a] != four[a] for a in anchors) <= 30
+    placement.home(anchors[0], FOUR[1:], 2.0)  # 10.0.0.1 left
+    assert set(placement.homes().values()) == set(FOUR[1:])
+
+
+def test_prefixes_out_of_use_are_forgotten() -> None:
+    placement = AnchorPlacement(refresh_s=0.0, window_s=60.0)
+    use(placement, [1, 2], TWO, 0.0)
+    use(placement, [3], TWO, 100.0)  # 1 and 2 last seen 100 s ago
+    assert set(placement.homes()) == {3}
+    assert len(placement) == 1
+
+
+def test_memory_is_bounded() -> None:
+    placement = AnchorPlacement(refresh_s=0.0, max_anchors=10)
+    use(placement, list(range(100)), TWO, 0.0, times=1)
+    assert len(placement) == 10
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        AnchorPlacement(factor=0.5)
+    with pytest.raises(ValueError):
+        AnchorPlacement(slack=-1)
