@@ -38,7 +38,7 @@ test-integration: $(STAMP)
 	$(BIN)/pytest -q tests/integration
 
 lint: $(STAMP)
-	$(BIN)/ruff check gateway routing cache limits replicas bench tests
+	$(BIN)/ruff check gateway routing cache limits replicas redisconn bench tests scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client import REGISTRY, generate_latest
 
 from cache.coalesce import Leader
@@ -31,8 +31,10 @@ from cache.replay import new_completion_id, replay_json, replay_sse
 from cache.service import CacheHit, ResponseCache, create_response_cache
 from gateway.admin import AdminApi
 from gateway.auth import KeyRing
+from gateway.autoscale import AutoscaleCollector, PendingTokens
 from gateway.errors import (
     BadRequest,
+    ExpectationFailed,
     GatewayError,
     GatewayTimeout,
     InternalError,
@@ -45,16 +47,19 @@ from gateway.errors import (
     error_response,
 )
 from gateway.logs import AccessLog
-from gateway.metrics import FleetCollector, GatewayMetrics
+from gateway.metrics import FleetCollector, GatewayMetrics, QuotaCollector, watch_loop_lag
 from gateway.proxy import Exchange, Proxy
 from gateway.reload import ConfigWatcher
 from gateway.request import Call, Endpoint, parse_call
 from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings
+from gateway.spans import Outcome, RequestSpans, Timeline
+from gateway.tracing import TraceContext, start_trace
 from limits.breaker import BreakerConfig
 from limits.config import reservation
 from limits.decision import Decision, Lease
 from limits.limiter import LimiterOptions, create_limiter
 from limits.plan import Subject
+from replicas.credentials import CredentialError
 from replicas.fleet import Fleet
 from routing.admission import Admitted
 from routing.config import PRIORITIES, Priority
@@ -94,14 +99,23 @@ class Gateway:
         self.clock = clock
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(access_stream, enabled=settings.server.access_log)
-        self.fleet = Fleet(settings.models, settings.health, restart=settings.restart, log_dir=log_dir, clock=clock)
-        self.metrics.registry.register(FleetCollector(self.fleet.all, clock))
+        try:
+            self.fleet = Fleet(settings.models, settings.health, restart=settings.restart, log_dir=log_dir, clock=clock)
+        except CredentialError as exc:
+            raise ConfigError(str(exc)) from None
+        self.metrics.registry.register(FleetCollector(self.fleet.all, clock, lambda: self.fleet.by_model))
+        self.metrics.registry.register(QuotaCollector(lambda: self.tenants))
         self.proxy = Proxy(settings.upstream, self.metrics, clock)
+        try:
+            redis_security = settings.redis.resolve(os.environ)
+        except ValueError as exc:  # the password's variable or file: only known at start
+            raise ConfigError(str(exc)) from exc
         self.cache = create_response_cache(
             settings.redis_url,
             settings.cache,
             CacheMetrics(self.metrics.registry),
             start_semantic=any(t.cache.enabled and t.cache.semantic.enabled for t in settings.tenants),
+            security=redis_security,
         )
         ls = settings.limits
         self.limiter = create_limiter(
@@ -112,10 +126,18 @@ class Gateway:
                 breaker=BreakerConfig(failures=ls.breaker_failures, cooldown_s=ls.breaker_cooldown_s),
                 redis_timeout_s=ls.redis_timeout_ms / 1000,
             ),
+            security=redis_security,
         )
         self._background: set[asyncio.Task[None]] = set()
         self.rng = random.Random()
+        # Trace and span ids (gateway.tracing): its own stream, so routing's stays as it was.
+        self.trace_rng = random.Random()
+        # OpenTelemetry spans: None (off, the default) unless an OTLP endpoint is configured.
+        self.spans = RequestSpans.from_environment(os.environ)
         self.ready = False
+        # Set on SIGTERM: /readyz answers 503 and every response closes its connection, so
+        # clients move to other pods before the listener closes (gateway.cli.serve).
+        self.draining = False
         self.routing_metrics = RoutingMetrics(self.metrics.registry, settings.routing.policy)
         self.router = Router.build(
             settings.routing,
@@ -126,6 +148,8 @@ class Gateway:
             metrics=self.routing_metrics,
         )
         self.metrics.registry.register(QueueCollector(self.router.depths))
+        self.pending = PendingTokens(m.name for m in settings.models)
+        self.metrics.registry.register(AutoscaleCollector(self.pending, settings.autoscaling.target))
         self.apply_tenants(settings.tenants, settings.admin_api_keys)
         self.default_model = settings.default_model or settings.models[0].name
 
@@ -154,12 +178,17 @@ class Gateway:
         started = self.clock()
         request_id = _request_id(request)
         headers = {"x-request-id": request_id}
+        rh = request.headers
+        spans = self.spans
+        trace = start_trace(rh.get("traceparent"), rh.get("tracestate"), self.trace_rng, sample_new=spans is not None)
+        timeline = Timeline(started) if spans is not None else None
         tenant_id: str | None = None
         model: str | None = None
         ex: Exchange | None = None
         lease: Lease | None = None
         # Tokens a cache hit charges (None: settle on the replica's usage).
         charged: int | None = None
+        pending = 0  # tokens counted in self.pending for this request's pool
         status = 500
         error_code: str | None = None
         self.metrics.requests_in_flight += 1
@@ -168,17 +197,26 @@ class Gateway:
             key = self.keyring.owner_of(request.headers.get("Authorization"))
             tenant_id = key.owner
             tenant = self.tenants[tenant_id]
+            if timeline is not None:
+                timeline.mark("auth", self.clock())
             # 2 read + parse
             call = parse_call(endpoint, await self._read_body(request))
-            ex = Exchange(call, request_id, headers, started)
+            ex = Exchange(call, request_id, headers, started, trace=trace, timeline=timeline)
             # 5 classify: "auto" -> a model of the right tier. First, because an unknown
             # model needs no admission, and the model that answers is part of the cache key.
             model = self._resolve_model(ex, tenant, request)
+            assert ex.route is not None
+            pending = ex.route.cost
+            self.pending.add(model, pending)
             headers["x-fleetgate-tier"] = self.fleet.tiers[model]
+            if timeline is not None:
+                timeline.mark("parse", self.clock())
             # 3 admit: rate limits, concurrency, quotas (a rejection is a value, not a surprise)
-            reserve = reservation(call.prompt_tokens_estimate, call.max_tokens, tenant.limits)
+            reserve = reservation(call.prompt_tokens_estimate, call.max_tokens, tenant.limits, call.n)
             decision = await self.limiter.admit(Subject(tenant.id, key.key_id, call.model), tenant.limits, reserve)
             headers.update(decision.headers())
+            if timeline is not None:
+                timeline.mark("limits", self.clock())
             if not decision.allowed:
                 raise _rejection(decision)
             lease = decision.lease
@@ -187,16 +225,22 @@ class Gateway:
                 tenant.id, model, endpoint, call.body, tenant.cache, request.headers.get("Cache-Control")
             )
             cached, leader = await self._from_cache(request, ex, plan, tenant)
+            if timeline is not None:
+                timeline.mark("cache", self.clock())
             if cached is not None:
                 response = await self._replay(request, ex, cached)
                 status = ex.status
                 charged = ResponseCache.tokens_to_charge(cached.completion, tenant.cache)
                 return response
             headers["x-fleetgate-cache"] = "miss"
-            # 6 route: a slot in the model's pool (a fair wait when every replica is full),
-            # then the picker that chooses a replica per attempt; 7 proxy
-            pick = await self._picker(ex, tenant, request)
+            # The leader's flight ends with this block, however the request does: refused
+            # while queued, cancelled or failed, its followers never wait on it in vain.
             with leader or contextlib.nullcontext():
+                # 6 route: a slot in the model's pool (a fair wait when every replica is full),
+                # then the picker that chooses a replica per attempt; 7 proxy
+                pick = await self._picker(ex, tenant, request)
+                if timeline is not None:
+                    timeline.mark("queue", self.clock())
                 if call.stream:
                     response = await self.proxy.stream(ex, pick, request)
                 else:
@@ -212,10 +256,15 @@ class Gateway:
             status, error_code = err.status, err.code
             return error_response(err, headers)
         except asyncio.CancelledError:
-            status, error_code = CLIENT_CLOSED, "client_closed"
-            if model is not None:
-                self.metrics.client_disconnects.labels(model).inc()
+            status, error_code = self._client_left(model)
             raise
+        except ConnectionResetError:
+            # Writing to a client that already left (aiohttp's ClientConnectionResetError),
+            # found by a write before the handler's cancellation arrives: the same disconnect.
+            status, error_code = self._client_left(model)
+            if ex is not None and ex.response is not None:
+                return ex.response
+            return web.Response(status=CLIENT_CLOSED, headers=headers)
         except Exception:
             log.exception("unexpected error", extra={"request_id": request_id})
             internal = InternalError("The gateway hit an unexpected error; it has been logged.")
@@ -226,9 +275,18 @@ class Gateway:
             if ex is not None and ex.route is not None:
                 ex.route.finished()
             self.metrics.requests_in_flight -= 1
+            if pending and model is not None:
+                self.pending.remove(model, pending)
             if lease is not None:
                 self._settle(lease, charged if charged is not None else _used_tokens(ex))
-            self._record(endpoint, request_id, tenant_id, model, ex, status, error_code, started)
+            entry = self._record(endpoint, request_id, tenant_id, model, ex, status, error_code, started, trace)
+            if spans is not None and timeline is not None:
+                self._emit_spans(spans, trace, timeline, entry, ex)
+
+    def _client_left(self, model: str | None) -> tuple[int, str]:
+        if model is not None:
+            self.metrics.client_disconnects.labels(model).inc()
+        return CLIENT_CLOSED, "client_closed"
 
     def _settle(self, lease: Lease, used: int | None) -> None:
         """Settle in the background: the response need not wait for the limit store."""
@@ -257,7 +315,11 @@ class Gateway:
         if cached is not None or not plan.coalesce:
             return cached, None
         wait_s = self.settings.upstream.first_byte_timeout_s
-        joined = await self.proxy.with_keepalive(ex, request, self.cache.coalesce(plan.key, wait_s))
+        joining = self.cache.coalesce(plan.key, wait_s)
+        if ex.call.stream:
+            joined = await self.proxy.with_keepalive(ex, request, joining, discard=_end_flight)
+        else:  # keep-alives are SSE comments: a JSON client just waits
+            joined = await joining
         return (CacheHit("exact", joined), None) if isinstance(joined, CachedCompletion) else (None, joined)
 
     async def finish_background(self, timeout_s: float) -> None:
@@ -431,7 +493,8 @@ class Gateway:
         status: int,
         error_code: str | None,
         started: float,
-    ) -> None:
+        trace: TraceContext,
+    ) -> dict[str, Any]:
         now = self.clock()
         elapsed = now - started
         model_label = model or "-"
@@ -445,6 +508,8 @@ class Gateway:
             "model": model,
             "status": status,
             "duration_ms": round(elapsed * 1000, 2),
+            "trace_id": trace.trace_id,
+            "span_id": trace.span_id,
         }
         if error_code:
             entry["error"] = error_code
@@ -472,6 +537,18 @@ class Gateway:
             if self.settings.server.log_prompts:
                 entry["body"] = ex.call.body
         self.access_log.write(entry)
+        return entry
+
+    def _emit_spans(
+        self, spans: RequestSpans, trace: TraceContext, timeline: Timeline, entry: dict[str, Any], ex: Exchange | None
+    ) -> None:
+        """The request's OpenTelemetry spans (only with tracing on, after the response)."""
+        if timeline.attempts and timeline.attempts[-1].end is None and ex is not None:
+            timeline.attempts[-1].end = ex.upstream_ended
+        try:
+            spans.emit(trace, timeline, Outcome.from_access_entry(entry, ex.call.body if ex else None), self.clock())
+        except Exception:  # tracing must never fail a request
+            log.exception("could not record the request's spans", extra={"request_id": entry.get("request_id")})
 
     # -- other endpoints --------------------------------------------------------------------
 
@@ -481,19 +558,31 @@ class Gateway:
             self.keyring.owner_of(request.headers.get("Authorization"))
         except GatewayError as err:
             return error_response(err, headers)
-        names = ["auto", *self.fleet.by_model]
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "fleetgate"} for n in names]
+        data = [_model_object(n) for n in ("auto", *self.fleet.by_model)]
         return web.json_response({"object": "list", "data": data}, headers=headers)
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: one model, in OpenAI's shape (404 ``model_not_found``)."""
+        headers = {"x-request-id": _request_id(request)}
+        name = request.match_info["model"]
+        try:
+            self.keyring.owner_of(request.headers.get("Authorization"))
+            if name != "auto" and name not in self.fleet.by_model:
+                raise NotFound(f"The model '{name}' does not exist.", code="model_not_found", param="model")
+        except GatewayError as err:
+            return error_response(err, headers)
+        return web.json_response(_model_object(name), headers=headers)
 
     async def healthz(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, _: web.Request) -> web.Response:
-        healthy = self.fleet.healthy_count()
-        if self.ready and healthy:
-            return web.json_response({"status": "ready", "healthy_replicas": healthy})
-        err = ServiceUnavailable("Not ready: no healthy replica." if self.ready else "Not ready: starting or stopping.")
-        return error_response(err, {})
+        """Ready: this process can answer (started, not draining). Not "a replica is healthy":
+        with none, requests get an OpenAI-shaped 503 (``no_healthy_replica``) and
+        ``fleetgate_model_healthy_replicas`` says 0, which a pod outside the Service could not."""
+        if self.ready and not self.draining:
+            return web.json_response({"status": "ready", "healthy_replicas": self.fleet.healthy_count()})
+        return error_response(ServiceUnavailable("Not ready: starting or draining."), {})
 
     async def prometheus(self, _: web.Request) -> web.Response:
         # The gateway's own registry plus the process-wide one (limits, caches, process stats).
@@ -501,12 +590,18 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def not_found(self, request: web.Request) -> web.Response:
-        known = {e.value for e in Endpoint} | {"/v1/models", "/healthz", "/readyz", "/metrics", "/admin/fleet"}
-        if request.path in known:
+        known = {e.value for e in Endpoint} | {"/v1/models", "/healthz", "/readyz"}
+        if self.settings.server.admin_port is None:  # else they live on the admin port only
+            known |= {"/metrics", "/admin/fleet"}
+        if request.path in known or request.path.startswith("/v1/models/"):
             err: GatewayError = MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
         else:
             err = NotFound(f"Unknown path {request.path}.", code="unknown_url")
         return error_response(err, {"x-request-id": _request_id(request)})
+
+
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "fleetgate"}
 
 
 def _rejection(decision: Decision) -> GatewayError:
@@ -518,6 +613,12 @@ def _rejection(decision: Decision) -> GatewayError:
         err = RateLimited(decision.message, code=decision.error_code, headers=decision.headers())
         err.type = decision.error_type or err.type
     return err
+
+
+def _end_flight(joined: Leader | CachedCompletion) -> None:
+    """A flight led by a request that left before it could go upstream: end it."""
+    if isinstance(joined, Leader):
+        joined.abandon()
 
 
 def _priority(tenant: TenantSettings, request: web.Request) -> Priority:
@@ -561,7 +662,8 @@ _ID_SERIAL = itertools.count(1)
 
 def _request_id(request: web.Request) -> str:
     sent = request.headers.get("x-request-id")
-    if sent and len(sent) <= _MAX_REQUEST_ID and sent.isprintable():
+    # Printable ASCII only: it goes back out in headers (to the client, to replicas).
+    if sent and len(sent) <= _MAX_REQUEST_ID and sent.isascii() and sent.isprintable():
         return sent
     return f"{_ID_PREFIX}{next(_ID_SERIAL):012x}"
 
@@ -580,13 +682,62 @@ def create_app(gateway: Gateway) -> web.Application:
     for endpoint in Endpoint:
         app.router.add_post(endpoint.value, route(endpoint))
     app.router.add_get("/v1/models", gateway.list_models)
+    app.router.add_get("/v1/models/{model:.+}", gateway.retrieve_model)
     app.router.add_get("/healthz", gateway.healthz)
     app.router.add_get("/readyz", gateway.readyz)
-    app.router.add_get("/metrics", gateway.prometheus)
-    AdminApi(gateway).add_routes(app)
+    if gateway.settings.server.admin_port is None:
+        _add_monitoring_routes(app, gateway)
     app.router.add_route("*", "/{tail:.*}", gateway.not_found)
+    app.on_response_prepare.append(_close_while_draining)
+    _answer_expect_in_openai_shape(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
+
+
+def create_admin_app(gateway: Gateway) -> web.Application:
+    """The admin/metrics listener's application (``server.admin_port``): /metrics, /admin/*
+    and the probes, apart from the API, so a NetworkPolicy can keep it to the monitoring
+    namespace. It shares the API application's gateway and lifecycle (serve it alongside)."""
+    app = web.Application()
+    app.router.add_get("/healthz", gateway.healthz)
+    app.router.add_get("/readyz", gateway.readyz)
+    _add_monitoring_routes(app, gateway)
+    app.router.add_route("*", "/{tail:.*}", gateway.not_found)
+    _answer_expect_in_openai_shape(app)
+    return app
+
+
+def _add_monitoring_routes(app: web.Application, gateway: Gateway) -> None:
+    admin = AdminApi(gateway)
+    metrics = gateway.prometheus
+    app.router.add_get("/metrics", admin.guarded(metrics) if gateway.settings.server.metrics_require_key else metrics)
+    admin.add_routes(app)
+
+
+async def _close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
+    """While draining, each response ends its keep-alive connection: the client's next request
+    opens a new connection, which the Service sends to a pod that is staying."""
+    if request.app[GATEWAY_KEY].draining:
+        response.force_close()
+        response.headers["Connection"] = "close"  # the header is computed before this hook runs
+
+
+def _answer_expect_in_openai_shape(app: web.Application) -> None:
+    """Every route of ``app`` answers an ``Expect`` header with ``_expect``."""
+    for each in app.router.routes():
+        each._expect_handler = _expect
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue`` as aiohttp answers it; any other expectation is a 417 in
+    OpenAI's shape (aiohttp's own is plain text, and a 500 for a header that is not UTF-8)."""
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        err = ExpectationFailed("Only 'Expect: 100-continue' is supported.")
+        return error_response(err, {"x-request-id": _request_id(request)})
+    if request.version == HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response itself is still to come
+    return None
 
 
 async def _lifecycle(app: web.Application) -> Any:
@@ -602,6 +753,8 @@ async def _lifecycle(app: web.Application) -> Any:
     async with contextlib.AsyncExitStack() as stack:
         for part in (gateway.limiter, gateway.cache, gateway.proxy, gateway.fleet):
             await stack.enter_async_context(part)
+        if gateway.spans is not None:
+            await stack.enter_async_context(gateway.spans)
         if gateway.config_path is not None:
             count = gateway.metrics.config_reloads.labels
             await stack.enter_async_context(
@@ -609,9 +762,11 @@ async def _lifecycle(app: web.Application) -> Any:
             )
         gateway.ready = True
         announce = asyncio.create_task(_announce_ready(gateway), name="announce-ready")
+        lag = asyncio.create_task(watch_loop_lag(gateway.metrics.loop_lag, time.monotonic), name="loop-lag")
         yield
         gateway.ready = False
         announce.cancel()
+        lag.cancel()
         gateway.router.close()  # requests still queued get their 503 now, not at their deadline
         await gateway.fleet.drain_all(settings.server.shutdown_grace_s)
         await gateway.finish_background(settings.server.shutdown_grace_s)

@@ -17,25 +17,51 @@ log = logging.getLogger("fleetgate")
 
 
 async def serve(settings: Settings, *, log_dir: Path, config_path: Path | None = None) -> None:
-    """Run until SIGTERM/SIGINT; then stop accepting, let in-flight requests finish, stop replicas."""
+    """Run until SIGTERM/SIGINT, then drain (docs/operations.md, "Stopping"):
+
+    1. readiness turns false at once (``/readyz`` 503) and every response closes its connection;
+    2. the listeners keep accepting for ``server.drain_delay_s``, while the pod leaves the
+       Service's endpoints;
+    3. they close; in-flight requests and streams get ``server.shutdown_grace_s`` to finish;
+    4. managed replicas stop; the process exits 0.
+    """
     from aiohttp import web
 
-    from gateway.app import Gateway, create_app
+    from gateway.app import Gateway, create_admin_app, create_app
+    from gateway.server import GatewayRunner
 
     _raise_file_limit()
+    server = settings.server
     gateway = Gateway(settings, log_dir=log_dir, config_path=config_path)
-    app = create_app(gateway)
     # handler_cancellation: a client that disconnects cancels its handler at once, which
     # closes the upstream connection and so aborts the generation on the replica.
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.server.shutdown_grace_s
+    runner = GatewayRunner(
+        create_app(gateway),
+        header_timeout_s=server.header_timeout_s,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=server.shutdown_grace_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port, backlog=2048, reuse_address=True)
+    site = web.TCPSite(runner, server.host, server.port, backlog=2048, reuse_address=True)
     await site.start()
+    admin_runner: web.AppRunner | None = None
+    admin_address = None
+    if server.admin_port is not None:
+        admin_runner = GatewayRunner(
+            create_admin_app(gateway), header_timeout_s=server.header_timeout_s, access_log=None, shutdown_timeout=1.0
+        )
+        await admin_runner.setup()
+        admin_host = server.admin_host or server.host
+        await web.TCPSite(admin_runner, admin_host, server.admin_port, reuse_address=True).start()
+        admin_address = f"http://{admin_host}:{server.admin_port}"
     log.info(
         "listening",
-        extra={"address": f"http://{settings.server.host}:{settings.server.port}", **settings_digest(settings)},
+        extra={
+            "address": f"http://{server.host}:{server.port}",
+            "admin_address": admin_address,
+            **settings_digest(settings),
+        },
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -43,10 +69,20 @@ async def serve(settings: Settings, *, log_dir: Path, config_path: Path | None =
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        log.info("shutting down: draining in-flight requests")
-        gateway.ready = False
+        gateway.draining = True
+        log.info(
+            "draining: not ready, still accepting",
+            extra={"drain_delay_s": server.drain_delay_s, "in_flight": gateway.metrics.requests_in_flight},
+        )
+        await asyncio.sleep(server.drain_delay_s)
+        log.info(
+            "listener closed: finishing in-flight requests",
+            extra={"shutdown_grace_s": server.shutdown_grace_s, "in_flight": gateway.metrics.requests_in_flight},
+        )
     finally:
         await runner.cleanup()
+        if admin_runner is not None:
+            await admin_runner.cleanup()  # last: /metrics answers while the API drains
     log.info("stopped")
 
 
@@ -63,7 +99,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.logs import configure_logging
 
     try:
-        settings = load_settings(args.config)
+        settings = _load_installable(args.config)
     except ConfigError as exc:
         print(f"fleetgate: {exc}", file=sys.stderr)
         return 2
@@ -86,9 +122,20 @@ def _cmd_hash_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_installable(path: str | None) -> Settings:
+    """The settings, refused (``ConfigError``) when they need an extra that is not installed."""
+    from gateway.extras import missing_extras
+
+    settings = load_settings(path)
+    problems = missing_extras(settings)
+    if problems:
+        raise ConfigError(f"{path or 'the configuration'}: " + "\n  ".join(problems))
+    return settings
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(args.config)
+        settings = _load_installable(args.config)
     except ConfigError as exc:
         print(f"fleetgate: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ Hierarchy::
     ├── MethodNotAllowed     405      GET on a POST endpoint
     ├── RequestTimeout       408      the client's own body never arrived
     ├── PayloadTooLarge      413      body over ``server.max_body_bytes``
+    ├── ExpectationFailed    417      an ``Expect`` header other than 100-continue
+    ├── HeadersTooLarge      431      a header line too long, too many headers
     ├── RateLimited          429      rate_limit_exceeded / insufficient_quota / queue_full (+ Retry-After)
     ├── InternalError        500      a bug: logged with its traceback, never sent
     ├── BadGateway           502      every replica tried failed
@@ -104,6 +106,18 @@ class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class ExpectationFailed(GatewayError):
+    status = 417
+    type = "invalid_request_error"
+    code = "expectation_failed"
+
+
+class HeadersTooLarge(GatewayError):
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
 
 
 class RateLimited(GatewayError):

@@ -7,8 +7,9 @@ config. Each app owns its registry so several gateways can live in one process (
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -16,11 +17,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from gateway.settings import TenantSettings
     from replicas.replica import Replica
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class LocalHistogram(Collector):
@@ -135,7 +138,13 @@ class GatewayMetrics:
             OVERHEAD_BUCKETS,
             ["endpoint"],
         )
-        for histogram in (self.latency, self.ttft, self.itl, self.overhead):
+        self.loop_lag = LocalHistogram(
+            "fleetgate_event_loop_lag_seconds",
+            "How late the event loop ran a 0.1 s timer: time in which no request moved.",
+            LOOP_LAG_BUCKETS,
+            [],
+        )
+        for histogram in (self.latency, self.ttft, self.itl, self.overhead, self.loop_lag):
             r.register(histogram)
         self.upstream_errors = Counter(
             "fleetgate_upstream_errors",
@@ -172,12 +181,30 @@ class GatewayMetrics:
         return child
 
 
+LOOP_LAG_INTERVAL_S = 0.1
+
+
+async def watch_loop_lag(histogram: LocalHistogram, clock: Callable[[], float]) -> None:
+    """Sleep ``LOOP_LAG_INTERVAL_S`` again and again; how much later than asked each wake-up
+    came is the loop's lag (a callback hogging it, or a starved CPU). Runs until cancelled."""
+    while True:
+        asked = clock() + LOOP_LAG_INTERVAL_S
+        await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+        histogram.observe((), max(0.0, clock() - asked))
+
+
 class FleetCollector(Collector):
     """Per-replica state, read from the fleet at scrape time (never stale, no bookkeeping)."""
 
-    def __init__(self, replicas: Callable[[], Sequence[Replica]], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        replicas: Callable[[], Sequence[Replica]],
+        clock: Callable[[], float],
+        models: Callable[[], Mapping[str, Sequence[Replica]]] | None = None,
+    ) -> None:
         self._replicas = replicas
         self._clock = clock
+        self._models = models
 
     def collect(self) -> Iterator[Metric]:
         now = self._clock()
@@ -214,6 +241,39 @@ class FleetCollector(Collector):
             for name, value in r.gauges.items():
                 vllm.add_metric([r.id, name.removeprefix("vllm:")], value)
         yield from (healthy, state, tokens, requests, breaker, restarts, probes, vllm)
+        if self._models is not None:
+            # Per model, zero included: a model whose discovery found no pod has no replica series.
+            routable = GaugeMetricFamily(
+                "fleetgate_model_healthy_replicas",
+                "Routable replicas of each model (0: its requests get 503 no_healthy_replica).",
+                labels=["model"],
+            )
+            for model, replicas in self._models().items():
+                routable.add_metric([model], sum(1 for r in replicas if r.routable(now)))
+            yield routable
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class QuotaCollector(Collector):
+    """Each tenant's configured token quotas, so an alert can compare usage with them
+    (``fleetgate_limits_tokens_settled_total`` over a day against the day's quota)."""
+
+    def __init__(self, tenants: Callable[[], Mapping[str, TenantSettings]]) -> None:
+        self._tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        quota = GaugeMetricFamily(
+            "fleetgate_limits_quota_tokens",
+            "A tenant's configured token quota, by period (day, month).",
+            labels=["tenant", "period"],
+        )
+        for tenant_id, tenant in self._tenants().items():
+            for period, limit in (("day", tenant.limits.tokens_per_day), ("month", tenant.limits.tokens_per_month)):
+                if limit is not None:
+                    quota.add_metric([tenant_id, period], limit)
+        yield quota
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -10,13 +10,16 @@ stream: a later failure ends it with an SSE error event, never silently.
 Timeouts: ``connect_timeout_s`` to open a connection, ``first_byte_timeout_s`` until the
 first token (or the whole response when not streaming, bounded by ``request_timeout_s``),
 ``chunk_gap_timeout_s`` between two chunks of a stream. While a streaming client waits for
-its first token, an SSE comment is sent every ``keepalive_interval_s``.
+its first token, an SSE comment is sent every ``keepalive_interval_s``. A deadline the client
+set (``x-fleetgate-timeout-ms``) cuts the attempt in flight, stops further attempts, and
+ends a stream already under way with a ``deadline_exceeded`` error event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -30,7 +33,9 @@ from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnav
 from gateway.metrics import GatewayMetrics
 from gateway.request import Call
 from gateway.settings import UpstreamSettings
+from gateway.spans import Timeline
 from gateway.sse import SseScanner, error_event
+from gateway.tracing import TraceContext
 from gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from replicas.replica import Claim, Replica
 
@@ -99,6 +104,10 @@ class Exchange:
     cut_at_deadline: bool = False
     # Why attempts stopped early: "deadline" or "retry_budget".
     stop: str | None = None
+    # W3C trace context, forwarded to the replica as its parent.
+    trace: TraceContext | None = None
+    # Stage and attempt times for OpenTelemetry spans (None: tracing off).
+    timeline: Timeline | None = None
 
 
 class Proxy:
@@ -152,6 +161,8 @@ class Proxy:
             self.metrics.retries.labels(replica.model).inc()
         ex.attempts += 1
         ex.tried.add(replica.id)
+        if ex.timeline is not None:
+            ex.timeline.attempt(replica.id, replica.base_url, replica.served_model, self.clock())
         ex.replica = replica
         ex.headers["x-fleetgate-replica"] = replica.id
         if ex.route is not None and replica.model != ex.route.model:
@@ -179,8 +190,13 @@ class Proxy:
         self.metrics.upstream_errors.labels(replica.id, failure.kind).inc()
         replica.breaker.record_failure(self.clock())
 
-    def _request_headers(self, ex: Exchange) -> dict[str, str]:
-        return {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
+    def _request_headers(self, ex: Exchange, replica: Replica) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
+        if ex.trace is not None:
+            headers.update(ex.trace.upstream_headers())
+        if replica.upstream_headers:
+            headers.update(replica.upstream_headers)
+        return headers
 
     # -- non-streaming ----------------------------------------------------------------------
 
@@ -193,23 +209,22 @@ class Proxy:
             claim = self._claim(ex, replica, streamed=False)
             try:
                 if ex.cut_at_deadline:
-                    status, body, ctype = await self._before_deadline(ex, self._send(ex, replica))
+                    status, body, ctype, parsed = await self._before_deadline(ex, self._send(ex, replica))
                 else:
-                    status, body, ctype = await self._send(ex, replica)
+                    status, body, ctype, parsed = await self._send(ex, replica)
             except UpstreamFailure as failure:
-                if failure.kind != "deadline":  # the client's deadline is no fault of the replica
-                    self._failed(replica, failure)
                 last = failure
+                if failure.kind == "deadline":  # no fault of the replica; and no attempt after it
+                    break
+                self._failed(replica, failure)
                 continue
             finally:
                 claim.release()
             replica.breaker.record_success()
             ex.status = status
             if status == 200:
-                with contextlib.suppress(orjson.JSONDecodeError):
-                    parsed = orjson.loads(body)
-                    if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-                        ex.usage = parsed["usage"]
+                if isinstance(parsed.get("usage"), dict):
+                    ex.usage = parsed["usage"]
                 if ex.cache_kind is not None:
                     ex.completion = from_json_response(ex.cache_kind, body)
             else:
@@ -218,7 +233,9 @@ class Proxy:
             return web.Response(status=status, body=body, content_type=ctype, headers=ex.headers)
         raise _exhausted(ex, last)
 
-    async def _send(self, ex: Exchange, replica: Replica) -> tuple[int, bytes, str]:
+    async def _send(self, ex: Exchange, replica: Replica) -> tuple[int, bytes, str, dict[str, Any]]:
+        """One attempt: the replica's status, body, content type and, for a 200, the body
+        parsed (a 200 that is not a JSON object is a failed attempt, like a 5xx)."""
         call = ex.call
         url = replica.base_url + call.endpoint.value
         ex.upstream_started = self.clock()
@@ -227,7 +244,7 @@ class Proxy:
                 "POST",
                 url,
                 call.upstream_body(replica.served_model),
-                self._request_headers(ex),
+                self._request_headers(ex, replica),
                 timeout_s=self.settings.request_timeout_s,
             )
             ctype = ctype or "application/json"
@@ -237,9 +254,15 @@ class Proxy:
             raise UpstreamFailure("connect", f"{replica.id}: {exc}") from exc
         finally:
             ex.upstream_ended = self.clock()
-        if status >= 500:
-            raise UpstreamFailure("status", f"{replica.id} answered {status}", status)
-        return status, body, ctype
+        replica.last_progress_at = ex.upstream_ended  # it answered: alive, however busy
+        _check_status(replica, status)
+        parsed: Any = None
+        if status == 200:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                parsed = orjson.loads(body)
+            if not isinstance(parsed, dict):
+                raise UpstreamFailure("malformed", f"{replica.id} answered 200 with a body that is not a JSON object")
+        return status, body, ctype, parsed or {}
 
     # -- streaming --------------------------------------------------------------------------
 
@@ -259,9 +282,10 @@ class Proxy:
             except UpstreamFailure as failure:
                 # Nothing but keep-alive comments reached the client: try another replica.
                 claim.release()
-                if failure.kind != "deadline":  # the client's deadline is no fault of the replica
-                    self._failed(replica, failure)
                 last = failure
+                if failure.kind == "deadline":  # no fault of the replica; and no attempt after it
+                    break
+                self._failed(replica, failure)
                 continue
             except BaseException:
                 claim.release()
@@ -293,13 +317,21 @@ class Proxy:
     ) -> tuple[UpstreamResponse | web.Response, bytes]:
         return await self.with_keepalive(ex, request, self._open(ex, replica))
 
-    async def with_keepalive(self, ex: Exchange, request: web.Request, work: Awaitable[T]) -> T:
-        """Await ``work``; meanwhile send a streaming client an SSE comment every interval."""
+    async def with_keepalive(
+        self, ex: Exchange, request: web.Request, work: Awaitable[T], discard: Callable[[T], None] | None = None
+    ) -> T:
+        """Await ``work``; meanwhile send a streaming client an SSE comment every interval.
+
+        If the client leaves (a failed write, a cancellation), ``work`` is cancelled; a result
+        it produced all the same goes to ``discard``, which releases what it holds.
+        """
         task = asyncio.ensure_future(work)
+        returned = False
         try:
             while True:
                 done, _ = await asyncio.wait((task,), timeout=self.settings.keepalive_interval_s)
                 if done:
+                    returned = True
                     return task.result()
                 if ex.response is None:
                     ex.response = await self.prepare(ex, request)
@@ -309,6 +341,8 @@ class Proxy:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+            if not returned and discard is not None and not task.cancelled() and task.exception() is None:
+                discard(task.result())
 
     async def _open(self, ex: Exchange, replica: Replica) -> tuple[UpstreamResponse | web.Response, bytes]:
         """Send the request and read the first chunk, within ``first_byte_timeout_s``."""
@@ -321,14 +355,13 @@ class Proxy:
                     "POST",
                     replica.base_url + call.endpoint.value,
                     call.upstream_body(replica.served_model),
-                    self._request_headers(ex),
+                    self._request_headers(ex, replica),
                 )
                 if resp.status != 200:
                     body = await resp.read()
                     status = resp.status
                     resp.release()
-                    if status >= 500:
-                        raise UpstreamFailure("status", f"{replica.id} answered {status}", status)
+                    _check_status(replica, status)
                     ex.status = status
                     return web.Response(
                         status=status,
@@ -379,7 +412,7 @@ class Proxy:
         if collector is not None:
             collector.feed(out)
         now = clock()
-        ex.first_token_at = now
+        ex.first_token_at = claim.replica.last_progress_at = now
         claim.prefilled()
         claim.generated(n)
         last = now
@@ -387,25 +420,34 @@ class Proxy:
             await response.write(out)
         loop = asyncio.get_running_loop()
         gap = self.settings.chunk_gap_timeout_s
+        # The client's own deadline bounds the whole stream, not only its first token.
+        cut_at = math.inf
+        if ex.cut_at_deadline and ex.deadline is not None:
+            cut_at = loop.time() + (ex.deadline - clock())
         try:
-            async with asyncio.timeout_at(loop.time() + gap) as deadline:
+            async with asyncio.timeout_at(min(loop.time() + gap, cut_at)) as deadline:
                 while not scanner.done:
                     chunk = await upstream.readany()
                     if not chunk:
                         break
-                    deadline.reschedule(loop.time() + gap)
+                    deadline.reschedule(min(loop.time() + gap, cut_at))
                     out, n = scanner.feed(chunk)
                     if collector is not None:
                         collector.feed(out)
                     if n:
-                        now = clock()
+                        now = claim.replica.last_progress_at = clock()
                         gaps.add((now - last) / n, n)
                         last = now
                         claim.generated(n)
                     if out:
                         await response.write(out)
         except TimeoutError:
-            await self._broken(ex, response, f"The replica sent nothing for {gap:g} s; the stream was cut.")
+            if deadline.when() == cut_at:
+                ex.stop, ex.error_code = "deadline", "deadline_exceeded"
+                cut = GatewayTimeout("The request's deadline passed; the stream was cut.", code="deadline_exceeded")
+                await _end_with_error(response, cut)
+            else:
+                await self._broken(ex, response, f"The replica sent nothing for {gap:g} s; the stream was cut.")
         except UpstreamError:
             await self._broken(ex, response, "The replica's connection broke mid-stream.")
         else:
@@ -426,6 +468,18 @@ class Proxy:
         self.metrics.stream_errors.labels(ex.call.model).inc()
         ex.error_code = "upstream_stream_error"
         await _end_with_error(response, BadGateway(message, code="upstream_stream_error"))
+
+
+def _check_status(replica: Replica, status: int) -> None:
+    """Fail the attempt on a status another replica might not give.
+
+    A 5xx, and a 401 or 403: the replica refused the gateway's own credentials (its source's
+    ``api_key``), which is no fault of the client's and must not reach it as one.
+    """
+    if status >= 500:
+        raise UpstreamFailure("status", f"{replica.id} answered {status}", status)
+    if status in (401, 403):
+        raise UpstreamFailure("auth", f"{replica.id} refused the gateway's credentials ({status})", status)
 
 
 async def _end_with_error(response: web.StreamResponse, err: GatewayError) -> None:

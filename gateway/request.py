@@ -21,6 +21,10 @@ from gateway.errors import BadRequest
 CHARS_PER_TOKEN = 4
 # Per-message framing (role tags, separators) in chat templates, in tokens.
 TOKENS_PER_MESSAGE = 4
+# Deepest nesting of arrays and objects a body may have. orjson parses to depth 1,024 but
+# serialises only to 255 (the cache key and a rewritten body are serialised), and no
+# OpenAI request (a tool's JSON schema included) comes near either.
+MAX_JSON_DEPTH = 128
 
 
 class Endpoint(StrEnum):
@@ -47,6 +51,8 @@ class Call:
     prompt_tokens_estimate: int
     # Raw bytes, forwarded as-is when nothing needs rewriting.
     raw: bytes
+    # Choices asked for (``n``): each may generate up to ``max_tokens``.
+    n: int = 1
 
     def upstream_body(self, served_model: str) -> bytes:
         """The body to send upstream: the raw bytes unless the model or usage flag must change."""
@@ -73,6 +79,8 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
         raise BadRequest(f"The request body is not valid JSON: {exc.msg}.") from exc
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
+    if _deeper_than(body, MAX_JSON_DEPTH):
+        raise BadRequest(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.")
 
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -101,7 +109,9 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
     wants_usage = bool(options and options.get("include_usage"))
 
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
-    _positive_int(body, "n")
+    n = _positive_int(body, "n") or 1
+    if endpoint is Endpoint.CHAT:
+        chars += _schema_chars(body)
     _number_in(body, "temperature", 0.0, 2.0)
     _number_in(body, "top_p", 0.0, 1.0)
     _number_in(body, "presence_penalty", -2.0, 2.0)
@@ -123,7 +133,39 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
         max_tokens=max_tokens,
         prompt_tokens_estimate=max(1, chars // CHARS_PER_TOKEN),
         raw=raw,
+        n=n,
     )
+
+
+def _schema_chars(body: dict[str, Any]) -> int:
+    """Characters the tool and function schemas add to the prompt (chat templates render
+    them in); their JSON length stands in for the rendered text."""
+    chars = 0
+    for name in ("tools", "functions"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            raise BadRequest(f"'{name}' must be an array.", param=name)
+        try:
+            chars += len(orjson.dumps(value))
+        except orjson.JSONEncodeError as exc:  # nested deeper than orjson writes
+            raise BadRequest(f"'{name}' is nested too deeply.", param=name) from exc
+    return chars
+
+
+def _deeper_than(value: dict[str, Any], limit: int) -> bool:
+    """Whether ``value`` nests arrays and objects more than ``limit`` levels deep."""
+    level: list[Any] = [value]
+    for _ in range(limit):
+        below: list[Any] = []
+        for item in level:
+            children = item.values() if isinstance(item, dict) else item
+            below.extend(child for child in children if isinstance(child, dict | list))
+        if not below:
+            return False
+        level = below
+    return True
 
 
 def _chat_chars(messages: Any) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -26,6 +26,9 @@ from pydantic_settings import (
 
 from cache.config import CacheServiceSettings, CacheSettings
 from limits.config import TenantLimits
+from redisconn.config import RedisSettings
+from redisconn.target import RedisTarget
+from replicas.replica import ProbeKind
 from routing.config import CapacitySettings, DegradeSettings, Priority, RoutingSettings
 
 # The built-in development key. Only present when no tenant is configured at all, and
@@ -36,6 +39,13 @@ DEV_API_KEY = "sk-fleetgate-dev"
 
 DEV_TENANT_ID = "dev"
 _DEV_KEY_REF = "sha256:" + hashlib.sha256(DEV_API_KEY.encode()).hexdigest()
+
+
+# Header names a replica source's `headers` cannot set: the gateway writes these itself.
+_GATEWAY_HEADERS = frozenset(
+    {"host", "content-length", "content-type", "transfer-encoding", "connection", "x-request-id", "traceparent"}
+)
+_NOT_IN_HEADER_NAMES = frozenset(' \t\r\n:()<>@,;\\"/[]?={}')
 
 
 class ConfigError(Exception):
@@ -52,12 +62,47 @@ class ServerSettings(_Frozen):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     # How long a client may take to send its request body before a 408.
     body_timeout_s: float = Field(30.0, gt=0)
+    # How long a client may take to send a request's line and headers, from its first byte
+    # (from connecting, for a connection's first request), before a 408 and a close.
+    header_timeout_s: float = Field(15.0, gt=0)
     # In-flight requests get this long to finish on SIGTERM before they are cut.
     shutdown_grace_s: float = Field(30.0, ge=0)
+    # On SIGTERM /readyz turns 503 at once, but the listener keeps accepting (and serving) for
+    # this long, while the endpoints controller and every kube-proxy take the pod out of the
+    # Service; only then does it close. Kubernetes: terminationGracePeriodSeconds >
+    # drain_delay_s + shutdown_grace_s (docs/kubernetes.md).
+    drain_delay_s: float = Field(0.0, ge=0)
+    # A second listener for /metrics and /admin/* (and the probes); set, they leave the API port.
+    admin_port: int | None = Field(None, ge=0, le=65535)
+    # Default: ``host``.
+    admin_host: str | None = None
+    # /metrics shows tenant ids and usage: ask for an admin key (admin_api_keys) to read it.
+    metrics_require_key: bool = False
     access_log: bool = True
     # Prompt text never reaches the logs unless an operator asks for it.
     log_prompts: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> ServerSettings:
+        if self.admin_port is not None and self.admin_port == self.port and self.port != 0:
+            raise ValueError("admin_port must differ from port")
+        return self
+
+
+class AutoscalingSettings(_Frozen):
+    """The replica-count signal (``fleetgate_desired_replicas``): pending tokens per replica.
+
+    ``target_pending_tokens``: the tokens (queued plus in flight) one replica should hold at
+    the latency you want, by Little's law its token throughput times that latency
+    (docs/kubernetes.md, "Autoscaling"). ``per_model`` overrides it by model name.
+    """
+
+    target_pending_tokens: int = Field(32_768, gt=0)
+    per_model: dict[str, PositiveInt] = {}
+
+    def target(self, model: str) -> int:
+        return self.per_model.get(model, self.target_pending_tokens)
 
 
 class UpstreamSettings(_Frozen):
@@ -80,6 +125,9 @@ class HealthSettings(_Frozen):
     timeout_s: float = Field(1.0, gt=0)
     # Consecutive failed probes before a healthy replica is taken out of rotation.
     failures_to_down: int = Field(3, ge=1)
+    # A probe timeout does not count against a replica that sent bytes on one of this
+    # gateway's in-flight requests within this long (busy, not dead).
+    progress_window_s: float = Field(10.0, gt=0)
     # Consecutive proxy failures (connect errors, 5xx, timeouts) that open a replica's breaker.
     breaker_failures: int = Field(5, ge=1)
     breaker_cooldown_s: float = Field(5.0, gt=0)
@@ -149,6 +197,46 @@ class ReplicaSettings(_Frozen):
     gpus: list[int] = []
     args: list[str] = []
     env: dict[str, str] = {}
+    # How health is checked: "health" (GET /health), "models" (GET /v1/models) or "none"
+    # (passive: the breaker only). Default "health"; managed replicas cannot use "none".
+    probe: ProbeKind = "health"
+    # Scrape /metrics for vLLM's load gauges (optional: without them, routing uses the
+    # gateway's own counts). Default: on for managed and Kubernetes replicas, and for
+    # `url:` replicas probed with "health"; off otherwise.
+    metrics: bool | None = None
+    # Sent as "Authorization: Bearer <key>" on every request and probe: "env:VARIABLE" or
+    # the absolute path of a file holding the key (a mounted Kubernetes Secret). Never logged.
+    api_key: str | None = None
+    # Extra static headers sent upstream (e.g. an organisation or project id).
+    headers: dict[str, str] = {}
+    # The model name the upstream serves, when it differs from the public name.
+    upstream_model: str | None = Field(None, min_length=1)
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_ref(cls, ref: str | None) -> str | None:
+        if ref is not None and not (ref.startswith("/") or (ref.startswith("env:") and len(ref) > 4)):
+            raise ValueError("api_key must be 'env:VARIABLE' or an absolute file path, never the key itself")
+        return ref
+
+    @field_validator("headers")
+    @classmethod
+    def _header_names(cls, headers: dict[str, str]) -> dict[str, str]:
+        for name, value in headers.items():
+            if not name or any(c in name for c in _NOT_IN_HEADER_NAMES) or not name.isascii():
+                raise ValueError(f"headers: {name!r} is not a valid header name")
+            if name.lower() in _GATEWAY_HEADERS:
+                raise ValueError(f"headers: {name!r} is set by the gateway")
+            if "\r" in value or "\n" in value or not value.isascii():
+                raise ValueError(f"headers: the value of {name!r} must be one line of ASCII")
+        return headers
+
+    @property
+    def scrapes_metrics(self) -> bool:
+        """``metrics``, or its default for this source."""
+        if self.metrics is not None:
+            return self.metrics
+        return self.url is None or self.probe == "health"
 
     @model_validator(mode="after")
     def _one_source(self) -> ReplicaSettings:
@@ -160,6 +248,10 @@ class ReplicaSettings(_Frozen):
             raise ValueError("'count' applies to managed replicas only")
         if self.engine == "vllm" and not self.model_path:
             raise ValueError("engine 'vllm' needs 'model_path' (a local directory or a model id)")
+        if self.api_key is not None and any(n.lower() == "authorization" for n in self.headers):
+            raise ValueError("give the credential once: 'api_key' or an Authorization header, not both")
+        if self.engine is not None and self.probe == "none":
+            raise ValueError("probe 'none' is for external replicas: a managed one is probed to know it started")
         return self
 
 
@@ -235,8 +327,12 @@ class Settings(BaseSettings):
     cache: CacheServiceSettings = CacheServiceSettings()
     limits: LimitsServiceSettings = LimitsServiceSettings()
     routing: RoutingSettings = RoutingSettings()
-    # Unset: limits and caches live in this process's memory.
+    autoscaling: AutoscalingSettings = AutoscalingSettings()
+    # Unset: limits and caches live in this process's memory. redis://, rediss://,
+    # redis+cluster://h:p[,h:p...] or redis+sentinel://h:p[,h:p...]/service (redisconn.target).
     redis_url: str | None = None
+    # Credentials and TLS for whichever scheme redis_url uses.
+    redis: RedisSettings = RedisSettings()
     # What model "auto" means when no model serves a routing tier; default: the first model.
     default_model: str | None = None
     models: list[ModelSettings] = Field(
@@ -244,6 +340,13 @@ class Settings(BaseSettings):
     )
     tenants: list[TenantSettings] = []
     admin_api_keys: list[str] = []
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            RedisTarget.parse(url)
+        return url
 
     @field_validator("admin_api_keys")
     @classmethod
@@ -266,6 +369,9 @@ class Settings(BaseSettings):
         if len(ids) != len(set(ids)):
             raise ValueError("tenants: duplicate tenant id")
         _check_routing_refs(self)
+        unknown = sorted(set(self.autoscaling.per_model) - set(names))
+        if unknown:
+            raise ValueError(f"autoscaling.per_model: {unknown} are not configured models")
         return self
 
     @property
@@ -373,5 +479,5 @@ def settings_digest(settings: Settings) -> dict[str, Any]:
             {"name": m.name, "tier": m.tier, "replicas": sum(r.count for r in m.replicas)} for m in settings.models
         ],
         "tenants": [t.id for t in settings.tenants],
-        "redis": "configured" if settings.redis_url else "memory",
+        "redis": RedisTarget.parse(settings.redis_url).kind if settings.redis_url else "memory",
     }

@@ -11,22 +11,35 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
 
+from replicas.credentials import CredentialError, upstream_headers
 from replicas.health import HealthChecker
 from replicas.launcher import LaunchSpec, ManagedProcess, free_port
-from replicas.replica import Breaker, Replica, ReplicaState
+from replicas.replica import Breaker, ProbeKind, Replica, ReplicaState
 
 if TYPE_CHECKING:
     from gateway.settings import HealthSettings, KubernetesSource, ModelSettings, ReplicaSettings, RestartSettings
 
 log = logging.getLogger("fleetgate.fleet")
+
+
+@dataclass(frozen=True, slots=True)
+class _Upstream:
+    """How the replicas of one source are spoken to (resolved once, credentials included)."""
+
+    served_model: str
+    probe: ProbeKind
+    metrics: bool
+    headers: dict[str, str] = field(repr=False)
 
 
 def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> list[str]:
@@ -50,7 +63,7 @@ def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> l
     ]
     if sim.profile:
         argv += ["--profile", sim.profile]
-    return argv
+    return [*argv, *rs.args]
 
 
 def vllm_argv(port: int, served_model: str, rs: ReplicaSettings) -> list[str]:
@@ -82,8 +95,10 @@ class Fleet:
         log_dir: Path,
         restart: RestartSettings,
         clock: Callable[[], float] = time.monotonic,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         self._health_settings = health
+        self._environ = os.environ if environ is None else environ
         self._log_dir = log_dir
         self._policy = restart
         self.clock = clock
@@ -94,9 +109,12 @@ class Fleet:
         self._health_task: asyncio.Task[None] | None = None
         self.checker: HealthChecker | None = None
         self.discovery: list[tuple[str, KubernetesSource]] = []
+        # What each discovery source's replicas get: served name, probe, headers.
+        self._discovered_as: list[_Upstream] = []
         # Replica ids each discovery source (model, index in `discovery`) added.
         self._owned: dict[tuple[str, int], set[str]] = {}
         self._discovery_tasks: list[asyncio.Task[None]] = []
+        self._models = {m.name: m for m in models}
         for model in models:
             self.tiers[model.name] = model.tier
             self.by_model[model.name] = self._build(model)
@@ -104,27 +122,51 @@ class Fleet:
     def _breaker(self) -> Breaker:
         return Breaker(self._health_settings.breaker_failures, self._health_settings.breaker_cooldown_s)
 
+    def _upstream(self, model: ModelSettings, index: int) -> _Upstream:
+        rs = model.replicas[index]
+        try:
+            headers = upstream_headers(rs.api_key, rs.headers, self._environ)
+        except CredentialError as exc:
+            raise CredentialError(f"models.{model.name}.replicas.{index}.{exc}") from None
+        return _Upstream(rs.upstream_model or model.name, rs.probe, rs.scrapes_metrics, headers)
+
+    def _replica(self, rid: str, url: str, model: ModelSettings, up: _Upstream, *, managed: bool) -> Replica:
+        # Not probed: routable at once, until the passive breaker says otherwise.
+        state = ReplicaState.HEALTHY if up.probe == "none" else ReplicaState.STARTING
+        return Replica(
+            rid,
+            url.rstrip("/"),
+            model.name,
+            model.tier,
+            up.served_model,
+            managed,
+            self._breaker(),
+            state=state,
+            probe=up.probe,
+            scrape_metrics=up.metrics,
+            upstream_headers=up.headers,
+        )
+
     def _build(self, model: ModelSettings) -> list[Replica]:
         replicas: list[Replica] = []
-        for rs in model.replicas:
+        for source, rs in enumerate(model.replicas):
+            up = self._upstream(model, source)
             if rs.kubernetes is not None:
                 self.discovery.append((model.name, rs.kubernetes))
+                self._discovered_as.append(up)
                 continue
             for _ in range(rs.count):
                 index = len(replicas)
                 rid = f"{model.name}-{index}"
-                breaker = self._breaker()
                 if rs.url is not None:
-                    replicas.append(
-                        Replica(rid, rs.url.rstrip("/"), model.name, model.tier, model.name, False, breaker)
-                    )
+                    replicas.append(self._replica(rid, rs.url, model, up, managed=False))
                     continue
                 port = free_port()
-                replica = Replica(rid, f"http://127.0.0.1:{port}", model.name, model.tier, model.name, True, breaker)
+                replica = self._replica(rid, f"http://127.0.0.1:{port}", model, up, managed=True)
                 if rs.engine == "sim":
-                    argv, env = sim_argv(port, model.name, rs, index), {}
+                    argv, env = sim_argv(port, up.served_model, rs, index), {}
                 else:
-                    argv = vllm_argv(port, model.name, rs)
+                    argv = vllm_argv(port, up.served_model, rs)
                     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, rs.gpus))} if rs.gpus else {}
                 env = {**env, **rs.env}
                 spec = LaunchSpec(argv, env, self._log_dir / f"{rid}.log")
@@ -150,9 +192,10 @@ class Fleet:
         if not added and not removed:
             return [], []
         keep = [r for r in current if r.id not in removed]
-        tier = self.tiers[model]
+        settings = self._models[model]
+        up = self._discovered_as[source]
         for rid in added:
-            keep.append(Replica(rid, desired[rid].rstrip("/"), model, tier, model, False, self._breaker()))
+            keep.append(self._replica(rid, desired[rid], settings, up, managed=False))
         current[:] = keep  # in place: routing closures hold this list
         owned.difference_update(removed)
         owned.update(added)
@@ -173,7 +216,12 @@ class Fleet:
         self._session = aiohttp.ClientSession()
         hs = self._health_settings
         self.checker = HealthChecker(
-            self._session, interval_s=hs.interval_s, timeout_s=hs.timeout_s, failures_to_down=hs.failures_to_down
+            self._session,
+            interval_s=hs.interval_s,
+            timeout_s=hs.timeout_s,
+            failures_to_down=hs.failures_to_down,
+            progress_window_s=hs.progress_window_s,
+            clock=self.clock,
         )
         for proc in self.processes:
             proc.start()

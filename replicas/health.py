@@ -1,20 +1,34 @@
-"""Active health checks: probe ``/health`` and scrape ``/metrics`` of every replica.
+"""Active health checks: probe each replica the way its source says, and scrape ``/metrics``.
 
-A replica is healthy when both answer; ``failures_to_down`` consecutive failed probes take
-it out of rotation and one good probe brings it back. What vLLM reports about its own
-load (running and waiting requests, KV-cache use, prefix-cache hits, preemptions) is kept
-on the replica, since other gateway processes send it work this one cannot see.
+A replica is healthy when its probe answers (``/health``, or ``/v1/models`` for upstreams
+without it); ``failures_to_down`` consecutive failed probes take it out of rotation and one
+good probe brings it back. A probe that times out while the replica is visibly streaming
+to this gateway is not counted (``counts_against``). ``/metrics`` is optional; what vLLM
+reports there about its own load (running and waiting requests, KV-cache use, prefix-cache
+hits, preemptions) is kept on the replica, since other gateway processes send it work this
+one cannot see.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from collections.abc import Callable, Iterable
+from enum import StrEnum
 
 import aiohttp
 
-from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Replica, ReplicaState
+from replicas.replica import (
+    GAUGE_KV_CAPACITY_TOKENS,
+    GAUGE_KV_USAGE,
+    GAUGE_RUNNING,
+    GAUGE_WAITING,
+    PROBE_PATHS,
+    Replica,
+    ReplicaState,
+)
 
 log = logging.getLogger("fleetgate.health")
 
@@ -33,8 +47,18 @@ SCRAPED = frozenset(
 )
 
 
+# An info series: its labels carry the cache's shape (``num_gpu_blocks`` is "None" until the
+# engine has profiled its memory).
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+_CACHE_LABELS = re.compile(r'[{,](num_gpu_blocks|block_size)="(\d+)"')
+
+
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Sum each kept metric over its label sets (one series per engine/model)."""
+    """Sum each kept metric over its label sets (one series per engine/model).
+
+    ``vllm:cache_config_info`` becomes ``GAUGE_KV_CAPACITY_TOKENS``: the engines' KV caches
+    in tokens, where the routing's prefix index expects eviction to start.
+    """
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -42,6 +66,12 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         brace = line.find("{")
         space = line.rfind(" ")
         name = line[: brace if brace != -1 else line.find(" ")]
+        if name == CACHE_CONFIG_INFO:
+            shape = dict(_CACHE_LABELS.findall(line))
+            if len(shape) == 2:
+                tokens = float(int(shape["num_gpu_blocks"]) * int(shape["block_size"]))
+                out[GAUGE_KV_CAPACITY_TOKENS] = out.get(GAUGE_KV_CAPACITY_TOKENS, 0.0) + tokens
+            continue
         if name not in SCRAPED or space == -1:
             continue
         try:
@@ -52,8 +82,42 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+class Probe(StrEnum):
+    """How one probe went."""
+
+    OK = "ok"
+    # No answer within the timeout: a dead replica, or one too busy to answer in time.
+    TIMEOUT = "timeout"
+    # Refused, reset, or answered with an error status: the replica said no.
+    FAILED = "failed"
+
+
+def counts_against(replica: Replica, outcome: Probe, now: float, progress_window_s: float) -> bool:
+    """Whether a failed probe counts towards taking the replica down.
+
+    A timeout is held against a replica only when the passive signal agrees: a replica
+    with requests of ours in flight that sent bytes on them within ``progress_window_s``
+    is alive, however slowly its health endpoint answers (vLLM's API server answers
+    ``/health`` late while its engine is busy streaming). An explicit refusal always counts.
+    The same pairing of active and passive checks as Envoy's outlier detection:
+    https://www.envoyproxy.io/docs/envoy/latest/intro/arch_overview/upstream/outlier
+    """
+    if outcome is Probe.OK:
+        return False
+    if outcome is Probe.FAILED:
+        return True
+    last = replica.last_progress_at
+    working = replica.outstanding_requests > 0 and last is not None and now - last <= progress_window_s
+    return not working
+
+
 class HealthChecker:
-    """Probes replicas on an interval; a probe either fully answers or counts as a failure."""
+    """Probes replicas on an interval, each the way its source says (``Replica.probe``).
+
+    The probe (``/health``, or ``/v1/models`` for upstreams without one) decides health;
+    ``/metrics`` is optional and only feeds the load gauges. Replicas probed ``none`` are
+    left to the passive breaker.
+    """
 
     def __init__(
         self,
@@ -62,30 +126,52 @@ class HealthChecker:
         interval_s: float,
         timeout_s: float,
         failures_to_down: int,
+        progress_window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._session = session
         self._interval = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._failures_to_down = failures_to_down
+        self._progress_window = progress_window_s
+        self._clock = clock
 
     async def probe(self, replica: Replica) -> bool:
         """One probe; updates the replica's state and gauges. True when it answered."""
+        path = PROBE_PATHS.get(replica.probe)
+        if path is None:
+            return True
+        headers = replica.upstream_headers
         try:
-            async with self._session.get(f"{replica.base_url}/health", timeout=self._timeout) as resp:
-                ok = resp.status == 200
+            async with self._session.get(replica.base_url + path, headers=headers, timeout=self._timeout) as resp:
+                outcome = Probe.OK if resp.status == 200 else Probe.FAILED
                 await resp.read()
-            if ok:
-                async with self._session.get(f"{replica.base_url}/metrics", timeout=self._timeout) as resp:
-                    ok = resp.status == 200
-                    text = await resp.text()
-                if ok:
-                    replica.observe(parse_vllm_metrics(text))
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-            ok = False
-        self._apply(replica, ok)
-        return ok
+        except TimeoutError:
+            outcome = Probe.TIMEOUT
+        except aiohttp.ClientError:
+            outcome = Probe.FAILED
+        if outcome is Probe.OK and replica.scrape_metrics:
+            await self._scrape(replica)
+        self._apply(replica, outcome, self._clock())
+        return outcome is Probe.OK
 
-    def _apply(self, replica: Replica, ok: bool) -> None:
+    async def _scrape(self, replica: Replica) -> None:
+        """Take the replica's gauges; an upstream without /metrics reports none."""
+        try:
+            async with self._session.get(
+                f"{replica.base_url}/metrics", headers=replica.upstream_headers, timeout=self._timeout
+            ) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    replica.observe({})
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return  # keep the last gauges: a slow scrape is no news about the load
+        replica.observe(parse_vllm_metrics(text))
+
+    def _apply(self, replica: Replica, outcome: Probe, now: float) -> None:
+        ok = outcome is Probe.OK
         if replica.state in (ReplicaState.FAILED, ReplicaState.DRAINING):
             # Draining stays draining until an operator (or shutdown) says otherwise.
             if not ok:
@@ -97,14 +183,17 @@ class HealthChecker:
                 log.info("replica healthy", extra={"replica": replica.id})
                 replica.state = ReplicaState.HEALTHY
             return
+        if replica.state is ReplicaState.HEALTHY and not counts_against(replica, outcome, now, self._progress_window):
+            replica.excused_probe_timeouts += 1
+            return
         replica.consecutive_probe_failures += 1
         replica.probe_failures += 1
         if replica.state is ReplicaState.HEALTHY and replica.consecutive_probe_failures >= self._failures_to_down:
-            log.warning("replica down: probes failing", extra={"replica": replica.id})
+            log.warning("replica down: probes failing", extra={"replica": replica.id, "probe": outcome.value})
             replica.state = ReplicaState.DOWN
 
     async def run(self, replicas: Callable[[], Iterable[Replica]]) -> None:
         """Probe all replicas (the current set, each round) concurrently, until cancelled."""
         while True:
-            await asyncio.gather(*(self.probe(r) for r in replicas()))
+            await asyncio.gather(*(self.probe(r) for r in replicas() if r.probe != "none"))
             await asyncio.sleep(self._interval)

@@ -17,11 +17,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 # vLLM gauges the gateway reads (names as exposed by current vLLM).
 GAUGE_RUNNING = "vllm:num_requests_running"
 GAUGE_WAITING = "vllm:num_requests_waiting"
 GAUGE_KV_USAGE = "vllm:kv_cache_usage_perc"
+# Not a vLLM series: the KV cache's size in tokens, read off the labels of vLLM's
+# ``vllm:cache_config_info`` (num_gpu_blocks x block_size) by the scraper.
+GAUGE_KV_CAPACITY_TOKENS = "kv_capacity_tokens"
+
+# How the health checker tells a replica is up: GET /health (vLLM, the simulator, TGI,
+# llama.cpp), GET /v1/models (OpenAI-compatible servers without /health), or not at all
+# (only the passive breaker takes the replica out of rotation).
+ProbeKind = Literal["health", "models", "none"]
+PROBE_PATHS: dict[str, str] = {"health": "/health", "models": "/v1/models"}
 
 
 class ReplicaState(StrEnum):
@@ -91,6 +101,16 @@ class Replica:
     restarts: int = 0
     # The process id of a managed replica (None for external ones).
     pid: int | None = None
+    probe: ProbeKind = "health"
+    # Scrape /metrics for vLLM's gauges; without them routing uses this gateway's own counts.
+    scrape_metrics: bool = True
+    # Sent with every request to the replica, probes included (credentials: never shown).
+    upstream_headers: dict[str, str] = field(default_factory=dict, repr=False)
+    # When bytes last arrived on one of this gateway's requests to the replica (gateway
+    # clock): the passive sign of life that keeps probe timeouts of a busy replica from
+    # taking it down. Probe timeouts so excused are counted in ``excused_probe_timeouts``.
+    last_progress_at: float | None = None
+    excused_probe_timeouts: int = 0
 
     def observe(self, gauges: dict[str, float]) -> None:
         """Take a scrape of the replica's /metrics.
@@ -131,6 +151,9 @@ class Replica:
             "foreign_waiting": self.foreign_waiting,
             "restarts": self.restarts,
             "pid": self.pid,
+            "probe": self.probe,
+            "probe_failures": self.probe_failures,
+            "excused_probe_timeouts": self.excused_probe_timeouts,
             "gauges": dict(self.gauges),
         }
 

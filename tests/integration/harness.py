@@ -117,7 +117,9 @@ class FaultyUpstream(_ScriptedUpstream):
     ``mode``: "500" (answers 500), "drop" (sends two token events, then cuts the
     connection), "stall_first" (waits ``delay`` before the first event), "stall_mid"
     (one event, then silence for ``delay``), "slow_stream" (an event every 50 ms until the
-    client leaves; records the disconnect in ``disconnected``).
+    client leaves; records the disconnect in ``disconnected``), "status:NNN" (answers NNN
+    with vLLM's error body and ``Retry-After: 1``), "malformed" (a 200 whose body, or whose
+    second event when streaming, is cut-off JSON).
     """
 
     def __init__(self, model: str, mode: str, delay: float = 0.0) -> None:
@@ -140,12 +142,23 @@ class FaultyUpstream(_ScriptedUpstream):
         await request.read()
         if self.mode == "500":
             return web.json_response({"error": {"message": "engine dead"}}, status=500)
+        if self.mode.startswith("status:"):
+            status = int(self.mode.split(":", 1)[1])
+            error = {"error": {"message": "busy", "type": "ServiceUnavailableError", "param": None, "code": status}}
+            return web.json_response(error, status=status, headers={"Retry-After": "1"})
+        body = orjson.loads(await request.read() or b"{}")
+        if self.mode == "malformed" and not body.get("stream"):
+            return web.Response(
+                body=b'{"id": "x", "object": "chat.completion", "choices": [{"ind', content_type="application/json"
+            )
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
             if self.mode == "stall_first":
                 await asyncio.sleep(self.delay)
             await response.write(self._event("one"))
+            if self.mode == "malformed":
+                await response.write(b'data: {"id": "x", "choices": [{"delta": {"cont\n\n')
             if self.mode == "drop":
                 await response.write(self._event(" two"))
                 assert request.transport is not None
@@ -210,7 +223,9 @@ class GatewayProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited: {self.stderr_path.read_text()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/readyz", timeout=1.0).status_code == 200:
+                # /readyz: this process answers; tests also want a replica to answer with.
+                r = httpx.get(f"{self.url}/readyz", timeout=1.0)
+                if r.status_code == 200 and r.json()["healthy_replicas"] > 0:
                     return
             time.sleep(0.1)
         raise TimeoutError(f"gateway not ready: {self.stderr_path.read_text()}")
@@ -275,3 +290,51 @@ class CountingUpstream(_ScriptedUpstream):
             "usage": usage,
         }
         return web.json_response(reply)
+
+
+class UpstreamLog:
+    """What reached an ``openai_upstream``: (method, path, Authorization header) per request."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.headers: list[dict[str, str]] = []
+
+    def paths(self, method: str = "POST") -> list[str]:
+        return [p for m, p, _ in self.requests if m == method]
+
+
+@contextlib.asynccontextmanager
+async def openai_upstream(
+    model: str,
+    *,
+    health: bool = True,
+    metrics: bool = True,
+    api_key: str | None = None,
+    busy_health_delay_s: float = 0.0,
+    tokens_per_s: float = 2000,
+) -> AsyncIterator[tuple[str, UpstreamLog]]:
+    """The simulator dressed as another OpenAI-compatible server: without ``/health`` or
+    ``/metrics`` (404, as nginx, llama.cpp or a hosted API answer), and, with ``api_key``,
+    refusing every request without that bearer token (401 in OpenAI's shape), the way a
+    hosted API does. The generation behind it is the real simulator."""
+    seen = UpstreamLog()
+    hidden = {p for p, shown in (("/health", health), ("/metrics", metrics)) if not shown}
+
+    @web.middleware
+    async def dress(request: web.Request, handler: Any) -> web.StreamResponse:
+        auth = request.headers.get("Authorization")
+        seen.requests.append((request.method, request.path, auth))
+        seen.headers.append(dict(request.headers))
+        if api_key is not None and auth != f"Bearer {api_key}":
+            error = {"message": "Incorrect API key.", "type": "invalid_request_error", "code": "invalid_api_key"}
+            return web.json_response({"error": error}, status=401)
+        if request.path in hidden:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    engine = FixedRateEngine(FixedRateConfig(ttft_s=0.005, tokens_per_s=tokens_per_s))
+    app = create_sim_app(engine, model, busy_health_delay_s=busy_health_delay_s)
+    app.middlewares.append(dress)
+    async with serve_app(app) as url:
+        yield url, seen

@@ -232,3 +232,64 @@ async def test_redis_down_means_uncached_not_failed(tmp_path: Path, redis_server
                 raw = await c.chat.completions.with_raw_response.create(**args)
                 result = raw.headers["x-fleetgate-cache"]
             assert result == "exact"
+
+
+async def test_a_coalesced_plain_request_waiting_past_the_keepalive_interval_gets_plain_json(tmp_path: Path) -> None:
+    # The follower waits ~1 s behind the leader, five keep-alive intervals: keep-alives are
+    # for streaming clients only; a JSON client must get one clean JSON response.
+    async with sim_upstream_engine(MODEL, ttft_ms=1000) as (up, engine):
+        cfg = {**config(up), "upstream": {"keepalive_interval_s": 0.2}}
+        async with in_process_gateway(cfg, tmp_path) as (url, _, _):
+            body = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 5}
+            auth = {"Authorization": f"Bearer {API_KEY}"}
+            async with httpx.AsyncClient(base_url=url, headers=auth, timeout=20) as http:
+                leader = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+                await asyncio.sleep(0.1)
+                follower = await http.post("/v1/chat/completions", json=body)
+                first = await leader
+            assert engine.submitted == 1
+            for reply in (first, follower):
+                assert reply.status_code == 200
+                assert reply.headers["content-type"].startswith("application/json")
+                assert reply.json()["object"] == "chat.completion"
+            assert follower.headers["x-fleetgate-cache"] == "exact"
+            assert follower.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+
+
+async def test_a_leader_refused_before_going_upstream_leaves_no_flight_behind(tmp_path: Path) -> None:
+    # Each of these registers as its flight's leader, then is refused before reaching a
+    # replica: a bad deadline header (400), a full tenant queue (429).
+    async with sim_upstream_engine(MODEL, ttft_ms=500) as (up, engine):
+        cfg = {
+            **config(up),
+            "cache": {"coalesce_linger_s": 0},
+            "upstream": {"first_byte_timeout_s": 60},
+            "models": [{"name": MODEL, "replicas": [{"url": up}], "capacity": {"max_requests": 1}}],
+            "routing": {"queue": {"max_queue_length": 1}},
+        }
+        async with in_process_gateway(cfg, tmp_path) as (url, gw, _):
+            coalescer = gw.cache.coalescer
+            auth = {"Authorization": f"Bearer {API_KEY}"}
+            body = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 3}
+            async with httpx.AsyncClient(base_url=url, headers=auth, timeout=30) as http:
+                bad = await http.post("/v1/chat/completions", json=body, headers={"x-fleetgate-timeout-ms": "soon"})
+                assert bad.status_code == 400
+                assert len(coalescer) == 0
+                started = time.monotonic()
+                good = await http.post("/v1/chat/completions", json=body)
+                assert good.status_code == 200 and good.headers["x-fleetgate-cache"] == "miss"
+                assert time.monotonic() - started < 30  # not the 60 s wait for a leader that never comes
+
+                # The pool's one slot taken and one request queued: a third request (cacheable,
+                # a prompt of its own) leads its flight, then is refused 429 queue_full.
+                def other(i: int) -> dict[str, Any]:
+                    return {**body, "messages": [{"role": "user", "content": f"question {i}"}]}
+
+                held = [asyncio.create_task(http.post("/v1/chat/completions", json=other(i))) for i in range(2)]
+                while sum(gw.router.depths()[MODEL].values()) < 1:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+                full = await http.post("/v1/chat/completions", json=other(2))
+                assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+                assert all(r.status_code == 200 for r in await asyncio.gather(*held))
+                assert len(coalescer) == 0
+            assert engine.submitted == 3

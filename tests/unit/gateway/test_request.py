@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.request import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, Endpoint, parse_call
+from gateway.request import CHARS_PER_TOKEN, MAX_JSON_DEPTH, TOKENS_PER_MESSAGE, Endpoint, parse_call
 
 
 def chat(**fields: object) -> bytes:
@@ -117,3 +117,36 @@ def test_assistant_tool_call_without_content_is_valid() -> None:
 def test_embeddings_cannot_stream() -> None:
     with pytest.raises(BadRequest):
         parse_call(Endpoint.EMBEDDINGS, b'{"model":"m","input":"x","stream":true}')
+
+
+def test_tool_schemas_count_in_the_prompt_estimate() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    plain = parse_call(Endpoint.CHAT, chat()).prompt_tokens_estimate
+    with_tools = parse_call(Endpoint.CHAT, chat(tools=tools)).prompt_tokens_estimate
+    # 28 characters of messages (7 tokens) + the tools' 86 characters of JSON: 114 // 4 = 28
+    assert len(orjson.dumps(tools)) == 86
+    assert (plain, with_tools) == (7, 28)
+    functions = [{"name": "f", "parameters": {}}]  # 30 characters of JSON
+    assert parse_call(Endpoint.CHAT, chat(functions=functions)).prompt_tokens_estimate == (28 + 30) // 4
+    with pytest.raises(BadRequest) as info:
+        parse_call(Endpoint.CHAT, chat(tools={"type": "function"}))
+    assert info.value.param == "tools"
+
+
+def test_n_is_kept_for_the_reservation() -> None:
+    assert parse_call(Endpoint.CHAT, chat(n=8)).n == 8
+    assert parse_call(Endpoint.CHAT, chat()).n == 1
+
+
+def test_nesting_deeper_than_the_limit_is_a_400() -> None:
+    def nested(depth: int) -> bytes:
+        # the body object is the first level
+        return b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": ' + (
+            b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+        )
+
+    call = parse_call(Endpoint.CHAT, nested(MAX_JSON_DEPTH))
+    assert orjson.loads(call.upstream_body("other"))["x"] == call.body["x"]  # serialisable, for a rewrite
+    for depth in (MAX_JSON_DEPTH + 1, 256, 300, 1024):
+        with pytest.raises(BadRequest, match="deeper"):
+            parse_call(Endpoint.CHAT, nested(depth))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.settings import ConfigError, load_settings
+from gateway.settings import ConfigError, load_settings, settings_digest
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -59,6 +59,9 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
         ("tenants: [{id: a, api_keys: [plain-text-key]}]\n", "tenants.0.api_keys"),
         ("tenants: [{id: a, api_keys: ['sha256:abc']}]\n", "tenants.0.api_keys"),
         ("default_model: missing\n", "default_model"),
+        ("redis_url: 'redis+cluster://a:7000/1'\n", "redis_url"),
+        ("redis_url: 'mysql://a'\n", "redis_url"),
+        ("redis: {password_env: A, password_file: /b}\n", "redis"),
     ],
 )
 def test_invalid_config_names_the_key(tmp_path: Path, text: str, where: str) -> None:
@@ -75,3 +78,13 @@ def test_yaml_syntax_error(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such file"):
         load_settings(tmp_path / "absent.yaml")
+
+
+def test_redis_schemes_and_their_shared_settings(tmp_path: Path) -> None:
+    text = (
+        "redis_url: 'redis+sentinel://s1:26379,s2:26379/fg'\n"
+        "redis: {password_env: REDIS_PW, tls_ca_file: /etc/ca.pem}\n"
+    )
+    settings = load_settings(write(tmp_path, text))
+    assert settings.redis.resolve({"REDIS_PW": "pw"}).password == "pw"
+    assert settings_digest(settings)["redis"] == "sentinel"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from replicas.health import HealthChecker, parse_vllm_metrics
-from replicas.replica import Breaker, Replica, ReplicaState
+from replicas.health import HealthChecker, Probe, counts_against, parse_vllm_metrics
+from replicas.replica import GAUGE_KV_CAPACITY_TOKENS, Breaker, Replica, ReplicaState
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -29,29 +29,46 @@ def test_parse_sums_engines_and_keeps_known_names() -> None:
     }
 
 
+def test_the_kv_cache_size_comes_from_the_cache_config_info_labels() -> None:
+    """vLLM's info series (labels as vLLM 0.32 writes them); "None" blocks: not profiled yet."""
+    text = (
+        'vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",'
+        'hash_block_size="None",mamba_block_size="None",num_gpu_blocks="210",num_gpu_blocks_override="210",'
+        'engine="0"} 1.0\n'
+        'vllm:cache_config_info{block_size="128",num_gpu_blocks="None",engine="1"} 1.0\n'
+    )
+    assert parse_vllm_metrics(text) == {GAUGE_KV_CAPACITY_TOKENS: 210 * 128}
+
+
 def make() -> tuple[HealthChecker, Replica]:
-    checker = HealthChecker(None, interval_s=1.0, timeout_s=1.0, failures_to_down=3)  # type: ignore[arg-type]
+    checker = HealthChecker(
+        None,  # type: ignore[arg-type]
+        interval_s=1.0,
+        timeout_s=1.0,
+        failures_to_down=3,
+        progress_window_s=10.0,
+    )
     return checker, Replica("r", "http://r", "m", "t", "m", True, Breaker(3, 5.0))
 
 
 def test_starting_becomes_healthy_on_first_good_probe() -> None:
     checker, r = make()
-    checker._apply(r, False)
+    checker._apply(r, Probe.FAILED, 0.0)
     assert r.state is ReplicaState.STARTING
-    checker._apply(r, True)
+    checker._apply(r, Probe.OK, 0.0)
     assert r.state is ReplicaState.HEALTHY
 
 
 def test_down_after_consecutive_failures_and_back() -> None:
     checker, r = make()
-    checker._apply(r, True)
-    checker._apply(r, False)
-    checker._apply(r, False)
+    checker._apply(r, Probe.OK, 0.0)
+    checker._apply(r, Probe.FAILED, 0.0)
+    checker._apply(r, Probe.FAILED, 0.0)
     assert r.state is ReplicaState.HEALTHY
-    checker._apply(r, False)
+    checker._apply(r, Probe.FAILED, 0.0)
     assert r.state is ReplicaState.DOWN
     assert r.probe_failures == 3
-    checker._apply(r, True)
+    checker._apply(r, Probe.OK, 0.0)
     assert r.state is ReplicaState.HEALTHY
 
 
@@ -59,7 +76,7 @@ def test_draining_and_failed_are_left_alone() -> None:
     checker, r = make()
     for state in (ReplicaState.DRAINING, ReplicaState.FAILED):
         r.state = state
-        checker._apply(r, True)
+        checker._apply(r, Probe.OK, 0.0)
         assert r.state is state
 
 
@@ -73,3 +90,33 @@ def test_breaker_reopens_after_failed_trial() -> None:
     assert not b.allows(9.9)
     b.record_success()
     assert b.allows(9.9) and not b.is_open
+
+
+def test_a_timeout_counts_unless_the_replica_is_streaming_to_us() -> None:
+    _, r = make()
+    # Idle, or never heard from: the timeout counts.
+    assert counts_against(r, Probe.TIMEOUT, 100.0, 10.0)
+    r.last_progress_at = 95.0
+    assert counts_against(r, Probe.TIMEOUT, 100.0, 10.0)  # nothing in flight
+    r.outstanding_requests = 2
+    assert not counts_against(r, Probe.TIMEOUT, 100.0, 10.0)  # bytes 5 s ago on a request in flight
+    assert not counts_against(r, Probe.TIMEOUT, 105.0, 10.0)  # 10 s: still inside the window
+    assert counts_against(r, Probe.TIMEOUT, 105.5, 10.0)  # in flight but silent: passive agrees
+    # An explicit refusal always counts; a good probe never does.
+    assert counts_against(r, Probe.FAILED, 96.0, 10.0)
+    assert not counts_against(r, Probe.OK, 500.0, 10.0)
+
+
+def test_a_busy_replica_survives_probe_timeouts_a_silent_one_does_not() -> None:
+    checker, r = make()
+    checker._apply(r, Probe.OK, 0.0)
+    r.outstanding_requests = 4
+    for t in range(1, 20):  # probes time out every second while tokens keep arriving
+        r.last_progress_at = t - 0.2
+        checker._apply(r, Probe.TIMEOUT, float(t))
+    assert r.state is ReplicaState.HEALTHY
+    assert r.excused_probe_timeouts == 19 and r.probe_failures == 0
+    # The streams stall: three more timeouts past the window take it down.
+    for t in (30.0, 31.0, 32.0):
+        checker._apply(r, Probe.TIMEOUT, t)
+    assert r.state is ReplicaState.DOWN and r.probe_failures == 3

@@ -1,0 +1,483 @@
+"""Soak: thousands of concurrent streams through one gateway process for minutes, then idle.
+
+One command::
+
+    .venv/bin/python -m bench.soak [--streams 5000] [--duration 600] [--idle 90]
+
+Method, all real processes on this machine:
+- two ``fleetgate sim`` replicas (``--tokens-per-s``, ``--ttft-ms 50``; idle keep-alive
+  connections closed after 5 s, so the gateway's pool of idle replica connections drains
+  within the idle phase) and one ``fleetgate serve`` process in front of them (one tenant,
+  limits on the memory store, access log on, capacity bounds lifted so every stream is
+  admitted at once);
+- this process (uvloop) holds ``--streams`` streams open at once: each worker opens a chat
+  completion stream of ``--max-tokens`` tokens, reads it to ``[DONE]``, and opens the next
+  one, until ``--duration`` has passed; workers start spread over ``--ramp`` seconds;
+- the gateway's resident set and open descriptors (``/proc``) are sampled every 5 s:
+  *baseline* after a warm-up of 50 streams, then with every stream open, then after
+  ``--idle`` seconds without traffic; memory per open stream is (median RSS while all
+  streams are open - baseline) / streams. With ``--rounds 2`` the load and idle phases run
+  twice: RSS after the second idle against after the first tells growth (a leak) from the
+  allocator keeping its high-water mark;
+- the health probes' "replica down" lines and the machine's load average are reported: on
+  a shared machine a starved replica can miss its probes;
+- event-loop lag: the gateway's own ``fleetgate_event_loop_lag_seconds`` histogram (a 0.1 s
+  timer, how late it ran), its p99 over the load phase (bucket upper bound);
+- errors: any stream that did not answer 200, ended with an error event, or stopped before
+  ``[DONE]``; plus error lines or tracebacks in the gateway's log.
+
+Writes bench/results/soak.md (``--out``). ``run_soak`` is also what the test suite runs, in
+a shortened form (tests/integration/test_soak.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import orjson
+import yaml
+
+from gateway.settings import hash_key
+from replicas.launcher import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "soak"
+API_KEY = "sk-soak"
+SAMPLE_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    streams: int = 5000
+    duration_s: float = 600.0
+    idle_s: float = 90.0
+    ramp_s: float = 30.0
+    tokens_per_s: float = 1.0
+    max_tokens: int = 30
+    replicas: int = 2
+    replica_keepalive_s: float = 5.0
+    sample_every_s: float = SAMPLE_EVERY_S
+    # Load phases, each followed by the idle phase: RSS after the second against after the
+    # first tells growth (a leak) from the allocator keeping its high-water mark.
+    rounds: int = 1
+    # The gateway's health.timeout_s (its default here): a replica starved of CPU on a shared
+    # machine can miss three probes in a row and be marked down.
+    health_timeout_s: float = 1.0
+
+
+@dataclass
+class Sample:
+    at_s: float
+    rss_mb: float
+    fds: int
+    open_streams: int
+
+
+@dataclass
+class SoakResult:
+    config: SoakConfig
+    baseline: Sample
+    afters: list[Sample]
+    samples: list[Sample] = field(default_factory=list)
+    streams_done: int = 0
+    events: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    log_errors: list[str] = field(default_factory=list)
+    loop_lag_p99_s: float | None = None
+    loop_lag_max_bucket_s: float | None = None
+    peak_open: int = 0
+    replicas_marked_down: int = 0
+    load_average: list[float] = field(default_factory=list)
+
+    @property
+    def after(self) -> Sample:
+        return self.afters[-1]
+
+    @property
+    def full(self) -> list[Sample]:
+        """Samples taken while (nearly) every stream was open."""
+        return [s for s in self.samples if s.open_streams >= 0.98 * self.config.streams]
+
+    @property
+    def rss_full_mb(self) -> float | None:
+        full = self.full
+        return statistics.median(s.rss_mb for s in full) if full else None
+
+    @property
+    def kb_per_stream(self) -> float | None:
+        rss = self.rss_full_mb
+        return None if rss is None else (rss - self.baseline.rss_mb) * 1024 / self.config.streams
+
+    @property
+    def rss_back_ratio(self) -> float:
+        return self.after.rss_mb / self.baseline.rss_mb - 1
+
+
+def process_sample(pid: int, started: float, open_streams: int) -> Sample:
+    rss_kb = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss_kb = int(line.split()[1])
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return Sample(round(time.monotonic() - started, 1), rss_kb / 1024, fds, open_streams)
+
+
+def raise_fd_limit() -> None:
+    """Each stream holds a client socket here and two in the gateway; children inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def wait_healthy(url: str, path: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url}{path} never answered 200")
+
+
+@contextlib.contextmanager
+def fleet(cfg: SoakConfig, workdir: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    """The simulated replicas and the gateway; yields the gateway's URL, process and stderr file."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        urls = []
+        for _ in range(cfg.replicas):
+            port = free_port()
+            args = ["--port", str(port), "--model", MODEL, "--ttft-ms", "50", "--tokens-per-s", str(cfg.tokens_per_s)]
+            args += ["--keepalive-timeout-s", str(cfg.replica_keepalive_s)]
+            sim = subprocess.Popen([sys.executable, "-m", "gateway.cli", "sim", *args], cwd=ROOT)
+            procs.append(sim)
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, sim in zip(urls, procs, strict=True):
+            wait_healthy(url, "/health", sim)
+        port = free_port()
+        config = {
+            "server": {"port": port, "log_level": "warning", "shutdown_grace_s": 5},
+            "models": [
+                {
+                    "name": MODEL,
+                    "replicas": [{"url": url} for url in urls],
+                    "capacity": {"max_requests": 1_000_000, "max_prefill_tokens": None},
+                }
+            ],
+            "routing": {"queue": {"max_queue_length": 1_000_000}},
+            "upstream": {"first_byte_timeout_s": 60, "chunk_gap_timeout_s": 60},
+            "health": {"timeout_s": cfg.health_timeout_s},
+            "tenants": [{"id": "soak", "api_keys": ["sha256:" + hash_key(API_KEY)]}],
+        }
+        path = workdir / "gateway.yaml"
+        path.write_text(yaml.safe_dump(config))
+        stderr = workdir / "gateway.stderr"
+        with open(stderr, "wb") as err:
+            gateway = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--log-dir", str(workdir)],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        procs.append(gateway)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, "/readyz", gateway)
+        yield url, gateway, stderr
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class Load:
+    """Workers that keep one stream each open until told to stop."""
+
+    def __init__(self, url: str, cfg: SoakConfig, session: aiohttp.ClientSession) -> None:
+        self.url, self.cfg, self.session = url, cfg, session
+        self.open = 0
+        self.peak = 0
+        self.done = 0
+        self.events = 0
+        self.errors: Counter[str] = Counter()
+        self.stop = asyncio.Event()
+        self.body = orjson.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": cfg.max_tokens,
+                "stream": True,
+            }
+        )
+
+    async def stream_once(self) -> None:
+        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        try:
+            async with self.session.post(
+                self.url + "/v1/chat/completions", data=self.body, headers=headers, timeout=timeout
+            ) as response:
+                if response.status != 200:
+                    self.errors[f"status {response.status}"] += 1
+                    await response.read()
+                    return
+                finished = False
+                async for line in response.content:
+                    if line.startswith(b"data: [DONE]"):
+                        finished = True
+                    elif line.startswith(b"data: "):
+                        self.events += 1
+                        if b'"error"' in line[:20]:
+                            self.errors["error event"] += 1
+                            return
+                if not finished:
+                    self.errors["ended before [DONE]"] += 1
+                    return
+                self.done += 1
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self.errors[type(exc).__name__] += 1
+        finally:
+            self.open -= 1
+
+    async def worker(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        while not self.stop.is_set():
+            await self.stream_once()
+
+    async def run(self, ramp_s: float) -> None:
+        n = self.cfg.streams
+        await asyncio.gather(*(self.worker(ramp_s * i / n) for i in range(n)))
+
+
+def loop_lag_buckets(url: str) -> dict[float, float]:
+    buckets: dict[float, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("fleetgate_event_loop_lag_seconds_bucket"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float("inf") if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def quantile_bound(before: dict[float, float], after: dict[float, float], q: float) -> tuple[float, float] | None:
+    """The bucket bound holding quantile ``q`` of the samples between two scrapes, and the
+    bound of the highest non-empty bucket."""
+    counts = {b: after[b] - before.get(b, 0.0) for b in sorted(after)}
+    total = counts[float("inf")]
+    if total <= 0:
+        return None
+    bound = next(b for b, c in counts.items() if c >= q * total)
+    highest = next(b for b, c in counts.items() if c >= total)
+    return bound, highest
+
+
+@contextlib.asynccontextmanager
+async def client_session(streams: int) -> AsyncIterator[aiohttp.ClientSession]:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=1)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        yield session
+
+
+async def sample_while(load: Load, pid: int, started: float, every_s: float, out: list[Sample]) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        out.append(process_sample(pid, started, load.open))
+
+
+async def run_soak(cfg: SoakConfig, workdir: Path | None = None) -> SoakResult:
+    """Start the processes, warm up, soak, go idle; the figures."""
+    raise_fd_limit()
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
+        url, gateway, stderr = stack.enter_context(fleet(cfg, workdir))
+        started = time.monotonic()
+        async with client_session(50) as session:
+            warm = Load(url, SoakConfig(streams=50, max_tokens=3, tokens_per_s=cfg.tokens_per_s), session)
+            await asyncio.gather(*(warm.stream_once() for _ in range(50)))
+        await asyncio.sleep(max(2.0, cfg.replica_keepalive_s + 2.0))  # the warm-up's connections close
+        baseline = process_sample(gateway.pid, started, 0)
+        samples: list[Sample] = []
+        afters: list[Sample] = []
+        lag_counts: dict[float, float] = {}
+        loads: list[float] = []
+        done = events = peak = 0
+        errors: Counter[str] = Counter()
+        for _ in range(cfg.rounds):
+            lag_before = await asyncio.to_thread(loop_lag_buckets, url)
+            async with client_session(cfg.streams) as session:
+                load = Load(url, cfg, session)
+                sampler = asyncio.create_task(sample_while(load, gateway.pid, started, cfg.sample_every_s, samples))
+                running = asyncio.create_task(load.run(cfg.ramp_s))
+                await asyncio.sleep(cfg.duration_s)
+                load.stop.set()
+                lag_after = await asyncio.to_thread(loop_lag_buckets, url)
+                loads.append(os.getloadavg()[0])
+                await running
+                sampler.cancel()
+            for bound, count in lag_after.items():
+                lag_counts[bound] = lag_counts.get(bound, 0.0) + count - lag_before.get(bound, 0.0)
+            done, events, peak = done + load.done, events + load.events, max(peak, load.peak)
+            errors.update(load.errors)
+            await asyncio.sleep(cfg.idle_s)
+            afters.append(process_sample(gateway.pid, started, 0))
+        log = stderr.read_text()
+        log_errors = [line for line in log.splitlines() if '"level":"error"' in line or "Traceback" in line]
+        lag = quantile_bound({}, lag_counts, 0.99)
+        return SoakResult(
+            config=cfg,
+            baseline=baseline,
+            afters=afters,
+            samples=samples,
+            streams_done=done,
+            events=events,
+            errors=errors,
+            log_errors=log_errors,
+            loop_lag_p99_s=lag[0] if lag else None,
+            loop_lag_max_bucket_s=lag[1] if lag else None,
+            peak_open=peak,
+            replicas_marked_down=log.count("replica down"),
+            load_average=loads,
+        )
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def report(result: SoakResult, command: str, note: str) -> str:
+    cfg = result.config
+    kb = result.kb_per_stream
+    lag = result.loop_lag_p99_s
+    lines = [
+        "# Soak: concurrent streams through one gateway process",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores (shared with other work while it ran).",
+        "",
+    ]
+    if note:
+        lines += [note, ""]
+    lines += [
+        "Method: see the docstring of bench/soak.py. "
+        f"{cfg.rounds} load phase(s): "
+        f"{cfg.streams} streams held open at once for {cfg.duration_s:g} s (workers started over "
+        f"{cfg.ramp_s:g} s), {cfg.max_tokens} tokens per stream at {cfg.tokens_per_s:g} tokens/s, "
+        f"{cfg.replicas} simulated replicas, then {cfg.idle_s:g} s idle.",
+        "",
+        "| figure | value |",
+        "| --- | ---: |",
+        f"| streams completed | {result.streams_done:,} |",
+        f"| token events relayed | {result.events:,} |",
+        f"| most streams open at once | {result.peak_open:,} |",
+        f"| errors (client side) | {sum(result.errors.values())} {dict(result.errors) or ''} |",
+        f"| error lines / tracebacks in the gateway's log | {len(result.log_errors)} |",
+        f"| gateway RSS, baseline | {result.baseline.rss_mb:.1f} MB |",
+        "| gateway RSS, all streams open (median) | "
+        + (f"{result.rss_full_mb:.1f} MB |" if result.rss_full_mb is not None else "never all open |"),
+        "| memory per open stream | " + (f"{kb:.1f} KB |" if kb is not None else "- |"),
+        *(
+            f"| gateway RSS after load phase {i + 1} and {cfg.idle_s:g} s idle | {after.rss_mb:.1f} MB "
+            f"({after.rss_mb / result.baseline.rss_mb - 1:+.1%} of baseline"
+            + (f", {after.rss_mb / result.afters[0].rss_mb - 1:+.1%} of phase 1's)" if i else ")")
+            + " |"
+            for i, after in enumerate(result.afters)
+        ),
+        f"| replicas marked down by the health probes | {result.replicas_marked_down} |",
+        "| 1-minute load average at the end of each load phase | "
+        + ", ".join(f"{x:.1f}" for x in result.load_average)
+        + " |",
+        f"| open descriptors: baseline / peak / after idle | {result.baseline.fds} / "
+        f"{max((s.fds for s in result.samples), default=0)} / {result.after.fds} |",
+        "| event-loop lag p99 (load phase; bucket upper bound) | "
+        + (
+            "- |"
+            if lag is None
+            else "> 2.5 s (past the last bucket) |"
+            if lag == float("inf")
+            else f"<= {lag * 1000:g} ms |"
+        ),
+        "| event-loop lag, worst sample (bucket upper bound) | "
+        + (
+            f"<= {result.loop_lag_max_bucket_s * 1000:g} ms |"
+            if result.loop_lag_max_bucket_s not in (None, float("inf"))
+            else "> 2.5 s |"
+        ),
+        "",
+        "Samples (every few seconds: time, gateway RSS, descriptors, streams open):",
+        "",
+        "| t (s) | RSS (MB) | fds | open streams |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    step = max(1, len(result.samples) // 30)
+    lines += [f"| {s.at_s:g} | {s.rss_mb:.1f} | {s.fds} | {s.open_streams} |" for s in result.samples[::step]]
+    if result.log_errors:
+        lines += ["", "First error lines of the gateway's log:", "", "```", *result.log_errors[:5], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=5000)
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--idle", type=float, default=90.0)
+    parser.add_argument("--ramp", type=float, default=30.0)
+    parser.add_argument("--tokens-per-s", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=1, help="load phases, each followed by the idle phase")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.md")
+    parser.add_argument("--append", action="store_true", help="add to the results file instead of replacing it")
+    parser.add_argument("--note", default="", help="a line for the results file (a shortened run says so)")
+    args = parser.parse_args(argv)
+    cfg = SoakConfig(
+        streams=args.streams,
+        duration_s=args.duration,
+        idle_s=args.idle,
+        ramp_s=args.ramp,
+        tokens_per_s=args.tokens_per_s,
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+    )
+    import uvloop
+
+    result = uvloop.run(run_soak(cfg))
+    command = "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = report(result, command.strip(), args.note)
+    if args.append and args.out.exists():
+        text = args.out.read_text() + "\n" + text
+    args.out.write_text(text)
+    print(text)
+    ok = not result.errors and not result.log_errors and result.rss_back_ratio <= 0.10
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""W3C Trace Context: the ``traceparent`` a request arrives with, or a new one, passed on.
+
+https://www.w3.org/TR/trace-context/#traceparent-header: ``00-<trace-id>-<parent-id>-<flags>``,
+lowercase hex, neither id all zeros. A valid header from the client keeps its trace id and
+sampling flag; anything else (absent, malformed, version ``ff``) starts a new trace. The
+gateway's own span gets a fresh id, and is the parent the replica sees. ``tracestate`` is
+forwarded untouched with a valid ``traceparent``, dropped with an invalid one (the spec's
+rule). Ids come from the ``random.Random`` passed in.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+# Flags of a trace the gateway starts: "sampled" only when it records spans itself.
+SAMPLED, NOT_SAMPLED = "01", "00"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceContext:
+    """The trace one request belongs to, and the gateway's span in it."""
+
+    trace_id: str
+    span_id: str
+    # The client's span (None when the gateway started the trace).
+    parent_id: str | None
+    flags: str
+    tracestate: str | None = None
+
+    @property
+    def traceparent(self) -> str:
+        """The header sent upstream: the replica's parent is the gateway's span."""
+        return f"00-{self.trace_id}-{self.span_id}-{self.flags}"
+
+    @property
+    def sampled(self) -> bool:
+        return int(self.flags, 16) & 1 == 1
+
+    def upstream_headers(self) -> dict[str, str]:
+        if self.tracestate is None:
+            return {"traceparent": self.traceparent}
+        return {"traceparent": self.traceparent, "tracestate": self.tracestate}
+
+
+# version-traceid-parentid-flags, lowercase hex; a later version may append "-..." fields.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
+
+
+def parse_traceparent(value: str | None) -> tuple[str, str, str] | None:
+    """(trace id, parent id, flags) of a valid header, else None."""
+    if value is None:
+        return None
+    m = _TRACEPARENT.fullmatch(value.strip())
+    if m is None:
+        return None
+    version, trace_id, parent_id, flags, more = m.groups()
+    if version == "ff" or (version == "00" and more is not None):
+        return None
+    if trace_id == _ZERO_TRACE or parent_id == _ZERO_SPAN:
+        return None
+    return trace_id, parent_id, flags
+
+
+def start_trace(
+    traceparent: str | None, tracestate: str | None, rng: random.Random, *, sample_new: bool
+) -> TraceContext:
+    """The request's trace context: the client's trace continued, or a new one."""
+    span_id = f"{rng.getrandbits(64) or 1:016x}"
+    parsed = parse_traceparent(traceparent)
+    if parsed is not None:
+        trace_id, parent_id, flags = parsed
+        return TraceContext(trace_id, span_id, parent_id, flags, tracestate or None)
+    trace_id = f"{rng.getrandbits(128) or 1:032x}"
+    return TraceContext(trace_id, span_id, None, SAMPLED if sample_new else NOT_SAMPLED)

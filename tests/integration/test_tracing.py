@@ -1,0 +1,131 @@
+"""W3C trace context through a real in-process gateway, and OpenTelemetry spans exported
+over OTLP/HTTP in its JSON encoding to a small collector run by the test (no OTLP
+collector can be installed here; this one reads what the OTLP specification defines)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from tests.integration.harness import API_KEY, access_lines, in_process_gateway, openai_upstream, serve_app
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+MESSAGES = [{"role": "user", "content": "trace me"}]
+# OTLP's SpanKind values.
+KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3
+
+
+async def chat(url: str, **headers: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await http.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "m", "messages": MESSAGES, "max_tokens": 3, "n": 1},
+            headers={"Authorization": f"Bearer {API_KEY}", **headers},
+        )
+
+
+async def test_traceparent_is_continued_forwarded_and_logged(tmp_path: Path) -> None:
+    async with openai_upstream("m") as (up, seen):
+        config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
+        async with in_process_gateway(config, tmp_path) as (url, gw, access):
+            assert gw.spans is None  # no OTLP endpoint configured: tracing is off
+            sent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+            assert (await chat(url, traceparent=sent, tracestate="vendor=x")).status_code == 200
+            assert (await chat(url)).status_code == 200
+            gw.access_log.flush()
+            continued, created = access_lines(access)[-2:]
+    forwarded = [h for h in seen.headers if "traceparent" in h]
+    assert len(forwarded) == 2
+    # The client's trace, with the gateway's span as the replica's parent; flags kept.
+    assert continued["trace_id"] == TRACE_ID and continued["span_id"] != CLIENT_SPAN
+    assert forwarded[0]["traceparent"] == f"00-{TRACE_ID}-{continued['span_id']}-01"
+    assert forwarded[0]["tracestate"] == "vendor=x"
+    # None sent: a new trace, not sampled (the gateway records no spans).
+    assert created["trace_id"] != TRACE_ID and len(created["trace_id"]) == 32
+    assert forwarded[1]["traceparent"] == f"00-{created['trace_id']}-{created['span_id']}-00"
+    assert "tracestate" not in forwarded[1]
+
+
+@contextlib.asynccontextmanager
+async def otlp_collector() -> AsyncIterator[tuple[str, list[Any]]]:
+    """POST /v1/traces, OTLP/HTTP protobuf: every span received, decoded."""
+    spans: list[Any] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        assert request.content_type == "application/json"
+        export = orjson.loads(await request.read())
+        for resource_spans in export["resourceSpans"]:
+            service = resource_spans["resource"]["attributes"][0]
+            assert service == {"key": "service.name", "value": {"stringValue": "fleetgate"}}
+            for scope_spans in resource_spans["scopeSpans"]:
+                spans.extend(scope_spans["spans"])
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    async with serve_app(app) as url:
+        yield url, spans
+
+
+async def test_spans_per_request_stage_and_attempt_reach_the_collector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with otlp_collector() as (collector, spans), openai_upstream("m") as (up, seen):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+        # One replica refuses connections: a request sent there first takes two attempts.
+        dead = "http://127.0.0.1:9"
+        config = {
+            "models": [{"name": "m", "replicas": [{"url": dead, "probe": "none"}, {"url": up}]}],
+            "routing": {"policy": "round_robin"},
+        }
+        async with in_process_gateway(config, tmp_path) as (url, gw, access):
+            assert gw.spans is not None
+            for _ in range(2):  # round robin: at least one of the two tries the dead replica first
+                r = await chat(url, traceparent=f"00-{TRACE_ID}-{CLIENT_SPAN}-01")
+                assert r.status_code == 200
+            gw.access_log.flush()
+            lines = access_lines(access)[-2:]
+            async with asyncio.timeout(30):
+                # 2 requests x (1 server span + 5 stages) + one span per attempt
+                expected = 2 * 6 + sum(line["attempts"] for line in lines)
+                while len(spans) < expected:  # noqa: ASYNC110 - the exporter's thread posts them
+                    await asyncio.sleep(0.05)
+    assert len(spans) == expected
+    by_name: dict[str, list[Any]] = {}
+    for span in spans:
+        by_name.setdefault(span["name"], []).append(span)
+    assert {"chat m", "auth", "parse", "limits", "cache", "queue"} <= set(by_name)
+    servers = [s for s in spans if s["kind"] == KIND_SERVER]
+    server_ids = {s["spanId"] for s in servers}
+    # The server spans carry the ids the access log and the traceparent sent upstream name.
+    assert server_ids == {line["span_id"] for line in lines}
+    assert all(s["traceId"] == TRACE_ID for s in spans)
+    for s in servers:
+        assert s["name"] == "chat m" and s["parentSpanId"] == CLIENT_SPAN
+        assert int(s["startTimeUnixNano"]) < int(s["endTimeUnixNano"])
+        attrs = {a["key"]: a["value"] for a in s["attributes"]}
+        assert attrs["gen_ai.operation.name"] == {"stringValue": "chat"}
+        assert attrs["gen_ai.request.model"] == {"stringValue": "m"}
+        assert attrs["gen_ai.request.max_tokens"] == {"intValue": 3}
+        assert attrs["gen_ai.usage.output_tokens"] == {"intValue": 3}
+        assert attrs["http.response.status_code"] == {"intValue": 200}
+    attempts = [s for s in spans if s["kind"] == KIND_CLIENT]
+    assert len(attempts) == sum(line["attempts"] for line in lines)
+    failed = [s for s in attempts if s.get("status") == {"code": 2}]
+    # Every attempt but each request's last failed, and those went to the dead replica.
+    assert len(failed) == len(attempts) - 2 >= 1
+    assert all({"key": "server.port", "value": {"intValue": 9}} in s["attributes"] for s in failed)
+    for stage in ("auth", "limits", "queue"):
+        assert all(s["parentSpanId"] in server_ids and s["kind"] == KIND_INTERNAL for s in by_name[stage])
+    forwarded = {h["traceparent"].split("-")[2] for h in seen.headers if "traceparent" in h}
+    assert forwarded == server_ids

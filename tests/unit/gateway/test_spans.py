@@ -1,0 +1,83 @@
+"""Span building and export settings (no network: the exporter's queue is looked at directly)."""
+
+from __future__ import annotations
+
+import random
+
+from gateway.spans import (
+    KIND_CLIENT,
+    KIND_INTERNAL,
+    KIND_SERVER,
+    ExportSettings,
+    Outcome,
+    RequestSpans,
+    Timeline,
+    build_spans,
+)
+from gateway.tracing import TraceContext
+
+TRACE = TraceContext("4bf92f3577b34da6a3ce929d0e0e4736", "1111111111111111", "00f067aa0ba902b7", "01")
+
+
+def timeline() -> Timeline:
+    t = Timeline(10.0)
+    for i, stage in enumerate(("auth", "parse", "limits", "cache", "queue")):
+        t.mark(stage, 10.0 + (i + 1) * 0.001)
+    t.attempt("m-0", "http://10.0.0.1:8000", "served", 10.006)
+    t.attempt("m-1", "http://[::1]:8001", "served", 10.010)
+    t.attempts[-1].end = 10.050
+    return t
+
+
+def test_spans_of_a_request_with_a_retried_attempt() -> None:
+    entry = {"endpoint": "chat", "model": "m", "status": 200, "request_id": "r1", "attempts": 2, "completion_tokens": 9}
+    outcome = Outcome.from_access_entry(entry, {"model": "m", "max_tokens": 16, "n": 2})
+    # gateway time 10.060 is epoch 1_000_000_000.060 s: every time shifts by the same offset
+    spans = build_spans(TRACE, timeline(), outcome, 10.060, 1_000_000_000_060_000_000, random.Random(1))
+    server, *stages, first, second = spans
+    assert server["spanId"] == "1111111111111111" and server["parentSpanId"] == "00f067aa0ba902b7"
+    assert (server["name"], server["kind"]) == ("chat m", KIND_SERVER)
+    assert server["startTimeUnixNano"] == 1_000_000_000_000_000_000
+    assert server["endTimeUnixNano"] == 1_000_000_000_060_000_000
+    attrs = {a["key"]: a["value"] for a in server["attributes"]}
+    assert attrs["gen_ai.request.choice.count"] == {"intValue": 2}
+    assert attrs["gen_ai.usage.output_tokens"] == {"intValue": 9}
+    assert "gen_ai.usage.input_tokens" not in attrs  # unknown: left out, not null
+    assert [s["name"] for s in stages] == ["auth", "parse", "limits", "cache", "queue"]
+    assert all(s["kind"] == KIND_INTERNAL and s["parentSpanId"] == server["spanId"] for s in stages)
+    # stages tile the time from the start: each begins where the one before ended
+    assert [s["startTimeUnixNano"] for s in stages[1:]] == [s["endTimeUnixNano"] for s in stages[:-1]]
+    assert first["kind"] == second["kind"] == KIND_CLIENT
+    assert first["status"] == {"code": 2} and "status" not in second
+    assert {"key": "server.port", "value": {"intValue": 8000}} in first["attributes"]
+    assert {"key": "server.address", "value": {"stringValue": "[::1]"}} in second["attributes"]
+    assert second["endTimeUnixNano"] - second["startTimeUnixNano"] == 40_000_000
+
+
+def test_export_settings_from_the_standard_variables() -> None:
+    assert ExportSettings.from_environment({}) is None
+    s = ExportSettings.from_environment(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/",
+            "OTEL_EXPORTER_OTLP_HEADERS": "x-api-key=abc%3D,bad,tenant = t1",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "2500",
+            "OTEL_BSP_SCHEDULE_DELAY": "nonsense",
+            "OTEL_SERVICE_NAME": "gw-eu",
+        }
+    )
+    assert s is not None
+    assert s.url == "http://collector:4318/v1/traces"
+    assert s.headers == {"x-api-key": "abc=", "tenant": "t1"}
+    assert (s.timeout_s, s.delay_s, s.service_name) == (2.5, 5.0, "gw-eu")
+    traces = ExportSettings.from_environment({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c/otlp/traces"})
+    assert traces is not None and traces.url == "http://c/otlp/traces"
+
+
+def test_the_queue_is_bounded_and_unsampled_traces_are_not_queued() -> None:
+    spans = RequestSpans(ExportSettings(url="http://c/v1/traces", headers={}, max_queue=10))
+    outcome = Outcome.from_access_entry({"endpoint": "chat", "model": "m", "status": 200}, None)
+    spans.emit(TRACE, timeline(), outcome, 11.0)  # 1 + 5 + 2 = 8 spans
+    spans.emit(TRACE, timeline(), outcome, 11.0)  # 8 more do not fit in 10: dropped whole
+    unsampled = TraceContext(TRACE.trace_id, TRACE.span_id, None, "00")
+    spans.emit(unsampled, timeline(), outcome, 11.0)
+    assert (len(spans._queue), spans.dropped) == (8, 8)
