@@ -23,11 +23,13 @@ pods saw different prompts with one prefix.
 
 A pass runs when the replicas change, at most every ``refresh_s`` while the set of
 prefixes in use changes, and at least every ``window_s`` (to forget prefixes out of use).
-In between, a prefix the last pass did not home goes to the first replica of its order
-with room under that pass's bound, and, once in use, stays there until the next pass:
-where the next pass will most likely put it, so few prefixes move when it comes. In a
-steady working set nothing moves; a prefix entering or leaving the set moves about one
-other at most. A pass costs O(prefixes in use x replicas) on the request that triggers it.
+In between, a prefix the last pass did not home goes to its first choice and, once in use,
+stays there until the next pass: where that pass most likely puts it (a full replica sheds
+its least attached prefixes, not necessarily the newest), and the same on every pod
+whatever order its requests came in (the next replica with room would depend on what each
+pod has seen so far, and pods would disagree until their sets converge). In a steady
+working set nothing moves; a prefix entering or leaving the set moves about one other at
+most. A pass costs O(prefixes in use x replicas) on the request that triggers it.
 
 Homes pay only for prefixes that come back. The placement follows how many of the pool's
 new prefixes do (``reuse``): where fewer than half do (retrieval over unique documents,
@@ -85,10 +87,8 @@ class AnchorPlacement:
 
     __slots__ = (
         "_anchors",
-        "_count",
         "_dirty",
         "_homes",
-        "_in_use_count",
         "_members",
         "_one_off",
         "_passed_at",
@@ -124,10 +124,6 @@ class AnchorPlacement:
         # Every remembered anchor, least recently placed first.
         self._anchors: OrderedDict[int, _Anchor] = OrderedDict()
         self._homes: dict[int, str] = {}
-        # Homes per replica after the last pass (and the prefixes in use since placed), and
-        # how many prefixes were in use then.
-        self._count: dict[str, int] = {}
-        self._in_use_count = 0
         self._members: tuple[str, ...] = ()
         self._seeds: dict[str, int] = {}
         self._dirty = False
@@ -159,9 +155,8 @@ class AnchorPlacement:
     def home(self, anchor: int, members: Sequence[str], now: float, *, seen: bool = True) -> str | None:
         """Where ``anchor`` lives among ``members`` (never empty); ``seen``: this is one more use of it.
 
-        A prefix the last pass did not home goes where the next pass would most likely put
-        it: the first replica of its order with room under that pass's bound (its first
-        choice, unless that is full). Once it is in use, that home is kept until the pass.
+        A prefix the last pass did not home goes to its first choice, where the next pass
+        most likely puts it; once it is in use, that home is kept until the pass.
         None for a prefix seen once in a pool where fewer than half the new prefixes come
         back (``reuse``): a home only pays for a prefix that is used again, and one-offs are
         better spread by load.
@@ -197,13 +192,9 @@ class AnchorPlacement:
                 return None
             if not entry.order:
                 entry.order = self.order(anchor, ordered)
-            count = self._count
-            bound = self._bound(self._in_use_count + 1)
-            home = next((m for m in entry.order if count[m] < bound), entry.order[0])
-            if self._in_use(entry):  # keep it, and count it, until the next pass
+            home = entry.order[0]
+            if self._in_use(entry):  # keep it until the next pass
                 self._homes[anchor] = home
-                count[home] += 1
-                self._in_use_count += 1
         return home
 
     def _bound(self, in_use: int) -> int:
@@ -255,7 +246,7 @@ class AnchorPlacement:
                 home = next((m for m in order if count[m] < bound), order[0])
                 count[home] += 1
                 homes[anchor] = home
-        self._homes, self._count, self._in_use_count = homes, count, len(in_use)
+        self._homes = homes
 
     def order(self, anchor: int, members: Sequence[str]) -> tuple[str, ...]:
         """``members`` in ``anchor``'s rendezvous order."""

@@ -91,18 +91,38 @@ def test_one_more_prefix_moves_at_most_one_other() -> None:
     assert sum(before[a] != after[a] for a in before) <= 1
 
 
-def test_between_passes_a_new_prefix_in_use_goes_where_there_is_room() -> None:
-    """Passes wait ``refresh_s``; meanwhile a prefix whose first choice is full takes its next one."""
+def test_between_passes_a_new_prefix_in_use_goes_to_its_first_choice() -> None:
+    """Passes wait ``refresh_s``; meanwhile a new prefix takes its first choice, full or not.
+
+    The pass then moves the least attached of a full replica's prefixes, by weight, which is
+    what every pod computes alike whatever order it saw the prefixes in.
+    """
     placement = AnchorPlacement(refresh_s=2.0, slack=0.0)
     first = {a: placement.order(a, TWO)[0] for a in range(100)}
     a, b = [k for k in range(100) if first[k] == TWO[0]][:2]
     placement.home(a, TWO, 0.0)  # a pass at once (new members), before a was in use
     placement.home(a, TWO, 0.1)  # in use: homed on its first choice until the next pass
     placement.home(b, TWO, 0.2)
-    assert placement.home(b, TWO, 0.3) == TWO[1]  # in use; one home each is the bound
-    assert placement.homes() == {a: TWO[0], b: TWO[1]}
-    placement.home(a, TWO, 2.5)  # the pass: one each still, by weight
-    assert sorted(placement.homes().values()) == sorted(TWO)
+    assert placement.home(b, TWO, 0.3) == TWO[0]  # in use, on its first choice, over the bound
+    assert placement.homes() == {a: TWO[0], b: TWO[0]}
+    placement.home(a, TWO, 2.5)  # the pass: one each, the lighter of the two moved
+    homes = placement.homes()
+    assert sorted(homes.values()) == sorted(TWO)
+    lighter = min((a, b), key=lambda k: placement.weight(k, TWO[0]))
+    assert homes[lighter] == TWO[1]
+
+
+def test_two_pods_that_saw_the_same_prefixes_in_other_orders_agree() -> None:
+    anchors = keys(40)
+    pods = [AnchorPlacement(refresh_s=1.0), AnchorPlacement(refresh_s=1.0)]
+    orders = [anchors, anchors[::-1]]
+    for pod, order in zip(pods, orders, strict=True):
+        for t, anchor in enumerate(order + order):
+            pod.home(anchor, FOUR, t * 0.01)  # all within one refresh: homes between passes
+    assert pods[0].homes() == pods[1].homes()
+    for pod in pods:
+        pod.home(anchors[0], FOUR, 5.0)  # the pass
+    assert pods[0].homes() == pods[1].homes()
 
 
 def test_new_replicas_take_their_share_and_a_departed_ones_prefixes_spread() -> None:
