@@ -26,7 +26,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from prometheus_client import CollectorRegistry
 
-from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Breaker, Replica, ReplicaState
+from common.breaker import BreakerConfig, CircuitBreaker
+from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Replica, ReplicaState
 from routing.config import RoutingSettings
 from routing.metrics import RoutingMetrics
 from routing.router import PoolSpec, Router
@@ -38,7 +39,7 @@ MODEL = "m"
 def fleet(n: int = 8) -> list[Replica]:
     replicas = []
     for i in range(n):
-        r = Replica(f"r{i}", f"http://r{i}", MODEL, "medium", MODEL, False, Breaker(5, 10.0))
+        r = Replica(f"r{i}", f"http://r{i}", MODEL, "medium", MODEL, False, CircuitBreaker(BreakerConfig(5, 10.0)))
         r.state = ReplicaState.HEALTHY
         r.observe({GAUGE_RUNNING: 3.0 + i % 3, GAUGE_WAITING: 0.0, GAUGE_KV_USAGE: 0.4})
         replicas.append(r)

@@ -16,7 +16,7 @@ Failure policy: every call is bounded (``lookup_timeout_s`` for ``get``, which s
 request path; ``store_timeout_s`` for ``set``, which does not), and any failure is raised
 as ``CacheUnavailable``. A circuit breaker opens after ``breaker_failures`` consecutive
 failures: while it is open, calls fail at once without touching the network, so a dead
-Redis costs a request nothing; after the cool-down one probe call tests it again.
+Redis costs a request nothing; after the cool-down one trial call tests it again (``common.breaker``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from cache.config import CacheServiceSettings
 from cache.keys import split_key
 from cache.store import CacheUnavailable
-from limits.breaker import BreakerConfig, CircuitBreaker
+from common.breaker import BreakerConfig, CircuitBreaker
 from redisconn.config import RedisSecurity
 from redisconn.factory import ClientOptions, RedisClient, connect
 
@@ -185,6 +185,7 @@ class RedisStore:
             raise RuntimeError("RedisStore is closed")
         if not self.breaker.allow(self._clock()):
             raise CacheUnavailable("redis: circuit open", reason="circuit_open")
+        trial = self.breaker.trial  # this call's number if it is the half-open trial
         try:
             async with asyncio.timeout(timeout_s), self._in_flight:
                 result = await call()
@@ -194,8 +195,9 @@ class RedisStore:
             reason = "timeout" if isinstance(exc, TimeoutError | RedisTimeoutError) else "error"
             raise CacheUnavailable(f"redis: {type(exc).__name__}: {exc}", reason=reason) from exc
         except asyncio.CancelledError:
-            # Our caller gave up; say nothing about Redis, but free the half-open probe slot.
-            self.breaker.abandon_probe()
+            # Our caller gave up; say nothing about Redis, but free the half-open trial slot.
+            if trial is not None:
+                self.breaker.abandon_trial(trial)
             raise
         if self.breaker.record_success():
             log.info("cache store reachable again")

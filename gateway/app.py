@@ -29,6 +29,7 @@ from cache.keys import CachePlan, endpoint_kind
 from cache.metrics import CacheMetrics
 from cache.replay import new_completion_id, replay_json, replay_sse
 from cache.service import CacheHit, ResponseCache, create_response_cache
+from common.breaker import BreakerConfig
 from gateway.admin import AdminApi
 from gateway.auth import KeyRing
 from gateway.autoscale import AutoscaleCollector, PendingTokens
@@ -54,7 +55,6 @@ from gateway.request import Call, Endpoint, parse_call
 from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings
 from gateway.spans import Outcome, RequestSpans, Timeline
 from gateway.tracing import TraceContext, start_trace
-from limits.breaker import BreakerConfig
 from limits.config import reservation
 from limits.decision import Decision, Lease
 from limits.limiter import LimiterOptions, create_limiter

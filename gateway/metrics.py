@@ -221,7 +221,9 @@ class FleetCollector(Collector):
             "fleetgate_replica_outstanding_requests", "Requests in flight on each replica.", labels=["replica"]
         )
         breaker = GaugeMetricFamily(
-            "fleetgate_replica_breaker_open", "1 while the replica's circuit breaker is open.", labels=["replica"]
+            "fleetgate_replica_breaker_open",
+            "1 while the replica's circuit breaker keeps requests away (open, or its one trial in flight).",
+            labels=["replica"],
         )
         restarts = CounterMetricFamily("fleetgate_replica_restarts", "Managed replica restarts.", labels=["replica"])
         probes = CounterMetricFamily(
@@ -235,7 +237,7 @@ class FleetCollector(Collector):
             state.add_metric([r.id, r.state.value], 1.0)
             tokens.add_metric([r.id], r.outstanding_tokens)
             requests.add_metric([r.id], r.outstanding_requests)
-            breaker.add_metric([r.id], 1.0 if r.breaker.is_open and not r.breaker.allows(now) else 0.0)
+            breaker.add_metric([r.id], 0.0 if r.breaker.ready(now) else 1.0)
             restarts.add_metric([r.id], r.restarts)
             probes.add_metric([r.id], r.probe_failures)
             for name, value in r.gauges.items():

@@ -184,7 +184,7 @@ class Proxy:
         if ex.route is not None:
             return ex.route.claim(replica, streamed)
         call = ex.call
-        return Claim(replica, call.prompt_tokens_estimate, call.max_tokens or DEFAULT_COMPLETION_ESTIMATE)
+        return Claim(replica, call.prompt_tokens_estimate, call.max_tokens or DEFAULT_COMPLETION_ESTIMATE, self.clock())
 
     def _failed(self, replica: Replica, failure: UpstreamFailure) -> None:
         self.metrics.upstream_errors.labels(replica.id, failure.kind).inc()

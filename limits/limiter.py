@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from limits.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from common.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from limits.config import TenantLimits
 from limits.decision import Decision, Lease, LeaseOrigin, Outcome, decide, unavailable
 from limits.memory_store import MemoryStore
@@ -235,6 +235,7 @@ class Limiter:
                 # The lease expires in the store; its usage is not charged there.
                 self.metrics.store_failures.labels(op).inc()
             return _SKIP
+        trial = self.breaker.trial  # this call's number if it is the half-open trial
         started = time.perf_counter()
         try:
             result = await fn()
@@ -253,8 +254,8 @@ class Limiter:
             return _SKIP
         except BaseException:
             # Cancelled mid-call (the client left): no verdict on the store's health.
-            if self.breaker.state is BreakerState.HALF_OPEN:
-                self.breaker.abandon_probe()
+            if trial is not None:
+                self.breaker.abandon_trial(trial)
             raise
         self.metrics.store_latency.labels(op).observe(time.perf_counter() - started)
         self._store_ok = True

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from common.breaker import BreakerConfig, CircuitBreaker
 from replicas.credentials import CredentialError, upstream_headers
 from replicas.health import HealthChecker
 from replicas.launcher import LaunchSpec, ManagedProcess, free_port
-from replicas.replica import Breaker, ProbeKind, Replica, ReplicaState
+from replicas.replica import ProbeKind, Replica, ReplicaState
 
 if TYPE_CHECKING:
     from gateway.settings import HealthSettings, KubernetesSource, ModelSettings, ReplicaSettings, RestartSettings
@@ -119,8 +120,10 @@ class Fleet:
             self.tiers[model.name] = model.tier
             self.by_model[model.name] = self._build(model)
 
-    def _breaker(self) -> Breaker:
-        return Breaker(self._health_settings.breaker_failures, self._health_settings.breaker_cooldown_s)
+    def _breaker(self) -> CircuitBreaker:
+        hs = self._health_settings
+        # No trial timeout: the request's Claim hands an unfinished trial back when it ends.
+        return CircuitBreaker(BreakerConfig(hs.breaker_failures, hs.breaker_cooldown_s, trial_timeout_s=None))
 
     def _upstream(self, model: ModelSettings, index: int) -> _Upstream:
         rs = model.replicas[index]

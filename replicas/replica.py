@@ -8,8 +8,11 @@ State machine::
         │                      └──drain──► draining ┘
         └── crash loop ──► failed (managed replicas only; stays until restart)
 
-Besides the state, a passive circuit breaker counts consecutive proxy failures; while it
-is open the replica is skipped even if its /health still answers.
+Besides the state, a passive circuit breaker (``common.breaker``) counts consecutive proxy
+failures; while it is open the replica is skipped even if its /health still answers. After
+its cool-down one request, the trial, is sent; until the trial's outcome is known the replica
+is not routable, so policies do not send a burst to a replica that has just come back. The
+trial is taken and, if it ends without an outcome, handed back by the request's ``Claim``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
+
+from common.breaker import CircuitBreaker
 
 # vLLM gauges the gateway reads (names as exposed by current vLLM).
 GAUGE_RUNNING = "vllm:num_requests_running"
@@ -43,36 +48,6 @@ class ReplicaState(StrEnum):
 
 
 @dataclass(slots=True)
-class Breaker:
-    """Opens after ``threshold`` consecutive failures; half-opens after ``cooldown_s``."""
-
-    threshold: int
-    cooldown_s: float
-    failures: int = 0
-    opened_at: float | None = None
-
-    def allows(self, now: float) -> bool:
-        """Closed, or open long enough that one trial request may pass (half-open)."""
-        return self.opened_at is None or now - self.opened_at >= self.cooldown_s
-
-    def record_success(self) -> None:
-        self.failures = 0
-        self.opened_at = None
-
-    def record_failure(self, now: float) -> bool:
-        """Count a failure; True when this failure opened (or re-opened) the breaker."""
-        self.failures += 1
-        if self.failures >= self.threshold and (self.opened_at is None or self.allows(now)):
-            self.opened_at = now
-            return True
-        return False
-
-    @property
-    def is_open(self) -> bool:
-        return self.opened_at is not None
-
-
-@dataclass(slots=True)
 class Replica:
     """A replica serving one model; load counters are this gateway's own view."""
 
@@ -83,7 +58,7 @@ class Replica:
     # The model name the replica itself serves (may differ from the public name).
     served_model: str
     managed: bool
-    breaker: Breaker
+    breaker: CircuitBreaker
     state: ReplicaState = ReplicaState.STARTING
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
@@ -133,7 +108,8 @@ class Replica:
         self.foreign_waiting = max(0.0, waiting - self.prefill_requests)
 
     def routable(self, now: float) -> bool:
-        return self.state is ReplicaState.HEALTHY and self.breaker.allows(now)
+        """Healthy, and its breaker would let a request through (closed, or the trial is free)."""
+        return self.state is ReplicaState.HEALTHY and self.breaker.ready(now)
 
     def snapshot(self, now: float) -> dict[str, object]:
         return {
@@ -143,7 +119,7 @@ class Replica:
             "url": self.base_url,
             "managed": self.managed,
             "state": self.state.value,
-            "breaker_open": self.breaker.is_open and not self.breaker.allows(now),
+            "breaker_open": not self.breaker.ready(now),
             "outstanding_requests": self.outstanding_requests,
             "outstanding_tokens": self.outstanding_tokens,
             "prefill_tokens": self.prefill_tokens,
@@ -171,20 +147,37 @@ class Claim:
     response shows no first token, so it is not counted there. ``on_prefilled`` is called
     once, when the prefill is over: at the first token, or at ``release`` if none came (the
     pool's admission hands the freed room on).
+
+    A claim made (at ``now``) on a replica whose breaker is past its cool-down is that
+    breaker's half-open trial. The proxy records the attempt's outcome on the breaker; a trial
+    released without one (cancelled, the client left, the deadline passed) is handed back at
+    ``release``, so the replica is not left half-open with a trial that never ends.
     """
 
-    __slots__ = ("_completion_left", "_on_prefilled", "_prefilling", "_prompt_left", "_released", "replica")
+    __slots__ = (
+        "_completion_left",
+        "_on_prefilled",
+        "_prefilling",
+        "_prompt_left",
+        "_released",
+        "_trial",
+        "replica",
+    )
 
     def __init__(
         self,
         replica: Replica,
         prompt: int,
         completion: int,
+        now: float,
         *,
         streamed: bool = False,
         on_prefilled: Callable[[], None] | None = None,
     ) -> None:
         self.replica = replica
+        breaker = replica.breaker
+        # Routing offered the replica only if its breaker was ready, and nothing awaited since.
+        self._trial = breaker.trial if breaker.allow(now) else None
         self._prompt_left = prompt
         self._completion_left = completion
         self._released = False
@@ -211,6 +204,8 @@ class Claim:
         if self._released:
             return
         self._released = True
+        if self._trial is not None:
+            self.replica.breaker.abandon_trial(self._trial)  # a no-op once its outcome is recorded
         self._end_prefill()
         self.replica.outstanding_tokens -= self._prompt_left + self._completion_left
         self.replica.outstanding_requests -= 1

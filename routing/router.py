@@ -263,11 +263,12 @@ class Route:
         waiting for the pool.
         """
         admission = self._router.pools[self.served or self.model].admission
+        now = self._router.clock()
         if not streamed:
-            return Claim(replica, self._prefill, self.max_tokens, on_prefilled=admission.notify)
+            return Claim(replica, self._prefill, self.max_tokens, now, on_prefilled=admission.notify)
         admission.prefill_started(self.tenant)
         ended = functools.partial(admission.prefill_ended, self.tenant)
-        return Claim(replica, self._prefill, self.max_tokens, streamed=True, on_prefilled=ended)
+        return Claim(replica, self._prefill, self.max_tokens, now, streamed=True, on_prefilled=ended)
 
     def may_retry(self) -> bool:
         """Whether another attempt may follow a failed one (the primary pool's retry budget)."""

@@ -98,9 +98,10 @@ def test_sigkilled_gateway_leaves_no_orphans(tmp_path: Path) -> None:
 async def test_a_dead_replicas_leftover_processes_are_reaped_before_restart(tmp_path: Path) -> None:
     """Like vLLM's engine and worker after its server is killed: a child left behind in the
     replica's process group must not survive into the next start."""
+    from common.breaker import BreakerConfig, CircuitBreaker
     from gateway.settings import RestartSettings
     from replicas.launcher import LaunchSpec, ManagedProcess
-    from replicas.replica import Breaker, Replica
+    from replicas.replica import Replica
 
     pids = tmp_path / "children"
     script = (
@@ -108,7 +109,7 @@ async def test_a_dead_replicas_leftover_processes_are_reaped_before_restart(tmp_
         f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
         f"open({str(pids)!r}, 'a').write(f'{{p.pid}}\\n')"
     )  # the parent exits at once, its child stays in the group
-    replica = Replica("r", "http://127.0.0.1:1", "m", "t", "m", True, Breaker(3, 1.0))
+    replica = Replica("r", "http://127.0.0.1:1", "m", "t", "m", True, CircuitBreaker(BreakerConfig(3, 1.0)))
     policy = RestartSettings(backoff_initial_s=0.2, crash_loop_count=2, crash_loop_window_s=60)
     proc = ManagedProcess(replica, LaunchSpec([sys.executable, "-c", script], {}, tmp_path / "r.log"), policy)
     proc.start()

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.crc import key_slot
 
-from limits.breaker import BreakerConfig
+from common.breaker import BreakerConfig
 from limits.config import ScopeLimits, TenantLimits
 from limits.decision import Lease, Reason
 from limits.limiter import LimiterOptions, create_limiter
@@ -324,7 +324,7 @@ async def test_redis_crash_fail_open_fail_closed_and_recovery(redis_server: Redi
     options = LimiterOptions(
         background=False,
         redis_timeout_s=0.25,
-        breaker=BreakerConfig(failures=3, cooldown_s=0.3, probe_timeout_s=1.0),
+        breaker=BreakerConfig(failures=3, cooldown_s=0.3, trial_timeout_s=1.0),
     )
     limiter = create_limiter(redis_server.url, options=options, metrics=metrics)
     roomy = TenantLimits(requests_per_minute=600_000, tokens_per_minute=10**8, max_concurrent=500)

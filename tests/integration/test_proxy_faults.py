@@ -14,6 +14,7 @@ import aiohttp
 import openai
 import pytest
 
+from common.breaker import BreakerConfig
 from gateway.app import Gateway
 from tests.integration.harness import (
     API_KEY,
@@ -167,8 +168,9 @@ async def test_client_disconnect_cancels_upstream(tmp_path: Path) -> None:
 async def test_no_healthy_replica_is_503(tmp_path: Path) -> None:
     async with sim_upstream(MODEL) as good:
         async with in_process_gateway(config(good), tmp_path) as (url, gw, _):
-            gw.fleet.by_model[MODEL][0].breaker.opened_at = gw.clock()
-            gw.fleet.by_model[MODEL][0].breaker.cooldown_s = 60
+            breaker = gw.fleet.by_model[MODEL][0].breaker
+            breaker.config = BreakerConfig(failures=1, cooldown_s=60)
+            breaker.record_failure(gw.clock())
             with pytest.raises(openai.APIStatusError) as info:
                 await client(url).chat.completions.create(model=MODEL, messages=MESSAGES)
             assert info.value.status_code == 503

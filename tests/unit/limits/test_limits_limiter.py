@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from limits.breaker import BreakerConfig
+from common.breaker import BreakerConfig
 from limits.config import TenantLimits
 from limits.decision import Lease, Outcome, Reason
 from limits.limiter import Limiter, LimiterOptions
@@ -68,7 +68,7 @@ class FlakyStore:
 
 def make(store: object, clock: Clock, **kw: object) -> tuple[Limiter, LimitsMetrics]:
     metrics = LimitsMetrics(CollectorRegistry())
-    options = LimiterOptions(background=False, breaker=BreakerConfig(failures=2, cooldown_s=5.0, probe_timeout_s=5.0))
+    options = LimiterOptions(background=False, breaker=BreakerConfig(failures=2, cooldown_s=5.0, trial_timeout_s=5.0))
     limiter = Limiter(
         store,  # type: ignore[arg-type]
         options=options,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from common.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from replicas.health import HealthChecker, Probe, counts_against, parse_vllm_metrics
-from replicas.replica import GAUGE_KV_CAPACITY_TOKENS, Breaker, Replica, ReplicaState
+from replicas.replica import GAUGE_KV_CAPACITY_TOKENS, Replica, ReplicaState
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -48,7 +49,7 @@ def make() -> tuple[HealthChecker, Replica]:
         failures_to_down=3,
         progress_window_s=10.0,
     )
-    return checker, Replica("r", "http://r", "m", "t", "m", True, Breaker(3, 5.0))
+    return checker, Replica("r", "http://r", "m", "t", "m", True, CircuitBreaker(BreakerConfig(3, 5.0)))
 
 
 def test_starting_becomes_healthy_on_first_good_probe() -> None:
@@ -81,15 +82,16 @@ def test_draining_and_failed_are_left_alone() -> None:
 
 
 def test_breaker_reopens_after_failed_trial() -> None:
-    b = Breaker(threshold=2, cooldown_s=5.0)
+    b = CircuitBreaker(BreakerConfig(failures=2, cooldown_s=5.0))
     assert not b.record_failure(0.0)
     assert b.record_failure(0.0)  # opened
-    assert not b.allows(4.9)
-    assert b.allows(5.0)  # half-open: one trial
-    assert b.record_failure(5.0)  # the trial failed: open again from now
-    assert not b.allows(9.9)
+    assert not b.allow(4.9)
+    assert b.allow(5.0)  # half-open: one trial
+    b.record_failure(5.0)
+    assert b.state is BreakerState.OPEN  # the trial failed: open again from now
+    assert not b.allow(9.9)
     b.record_success()
-    assert b.allows(9.9) and not b.is_open
+    assert b.allow(9.9) and not b.degraded
 
 
 def test_a_timeout_counts_unless_the_replica_is_streaming_to_us() -> None:

@@ -10,7 +10,8 @@ import asyncio
 
 import pytest
 
-from replicas.replica import Breaker, Claim, Replica, ReplicaState
+from common.breaker import BreakerConfig, CircuitBreaker
+from replicas.replica import Claim, Replica, ReplicaState
 from routing.admission import Admission, Admitted
 from routing.capacity import Capacity
 from routing.fair_queue import FairQueueConfig, Rejected, RejectReason
@@ -27,7 +28,8 @@ class Clock:
 
 
 def replica(rid: str) -> Replica:
-    return Replica(rid, f"http://{rid}", "m", "default", "m", False, Breaker(2, 10.0), state=ReplicaState.HEALTHY)
+    breaker = CircuitBreaker(BreakerConfig(2, 10.0))
+    return Replica(rid, f"http://{rid}", "m", "default", "m", False, breaker, state=ReplicaState.HEALTHY)
 
 
 def admission(
@@ -248,7 +250,7 @@ async def test_a_first_token_lets_the_next_request_in() -> None:
         clock=Clock(),
         poll_interval_s=3600,
     )
-    first = Claim(r, 1500, 10, streamed=True, on_prefilled=adm.notify)
+    first = Claim(r, 1500, 10, 0.0, streamed=True, on_prefilled=adm.notify)
     assert not adm.ready(0.0)
     waiter = asyncio.create_task(adm.wait("t", 100, FAR))
     await settle()
@@ -262,10 +264,10 @@ async def test_a_first_token_lets_the_next_request_in() -> None:
 def test_a_claim_reports_the_end_of_its_prefill_once_with_or_without_a_first_token() -> None:
     r = replica("a")
     ended: list[str] = []
-    failed = Claim(r, 1500, 10, streamed=True, on_prefilled=lambda: ended.append("failed"))
+    failed = Claim(r, 1500, 10, 0.0, streamed=True, on_prefilled=lambda: ended.append("failed"))
     failed.release()  # the replica failed before the first token
     failed.release()
-    done = Claim(r, 1500, 10, streamed=True, on_prefilled=lambda: ended.append("done"))
+    done = Claim(r, 1500, 10, 0.0, streamed=True, on_prefilled=lambda: ended.append("done"))
     done.prefilled()
     done.release()
     assert ended == ["failed", "done"]
@@ -294,7 +296,7 @@ async def test_a_tenant_at_its_share_of_prefill_slots_is_held_while_another_is_a
         assert isinstance(outcome, Admitted)
         adm.prefill_started(tenant)
         # An 8,000-token prompt: its replica is at the bound until the first token.
-        prefilling[tenant].append(Claim(free.pop(), 8000, 10, streamed=True))
+        prefilling[tenant].append(Claim(free.pop(), 8000, 10, 0.0, streamed=True))
 
     def first_token(tenant: str) -> None:
         claim = prefilling[tenant].pop(0)

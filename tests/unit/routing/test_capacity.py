@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from replicas.replica import Breaker, Replica, ReplicaState
+from common.breaker import BreakerConfig, CircuitBreaker
+from replicas.replica import Replica, ReplicaState
 from routing.capacity import UNBOUNDED, Capacity, free_slots, has_room
 from routing.policies import LoadModel
 
@@ -10,7 +11,7 @@ from routing.policies import LoadModel
 def replica(
     rid: str, requests: int = 0, tokens: int = 0, state: ReplicaState = ReplicaState.HEALTHY, **gauges: float
 ) -> Replica:
-    r = Replica(rid, f"http://{rid}", "m", "default", "m", False, Breaker(2, 10.0), state=state)
+    r = Replica(rid, f"http://{rid}", "m", "default", "m", False, CircuitBreaker(BreakerConfig(2, 10.0)), state=state)
     r.outstanding_requests = requests
     r.outstanding_tokens = tokens
     r.observe({f"vllm:{k}": v for k, v in gauges.items()})

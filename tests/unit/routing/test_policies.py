@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Breaker, Replica, ReplicaState
+from common.breaker import BreakerConfig, CircuitBreaker
+from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Replica, ReplicaState
 from routing.policies import (
     LeastOutstandingTokens,
     LeastRequests,
@@ -21,7 +22,7 @@ from routing.prefix_placement import AnchorPlacement
 def replica(
     rid: str, tokens: int = 0, requests: int = 0, state: ReplicaState = ReplicaState.HEALTHY, **gauges: float
 ) -> Replica:
-    r = Replica(rid, f"http://{rid}", "m", "default", "m", False, Breaker(2, 10.0), state=state)
+    r = Replica(rid, f"http://{rid}", "m", "default", "m", False, CircuitBreaker(BreakerConfig(2, 10.0)), state=state)
     r.outstanding_tokens = tokens
     r.outstanding_requests = requests
     r.observe({f"vllm:{k}": v for k, v in gauges.items()})

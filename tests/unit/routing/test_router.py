@@ -6,7 +6,8 @@ import random
 
 from prometheus_client import CollectorRegistry
 
-from replicas.replica import Breaker, Replica, ReplicaState
+from common.breaker import BreakerConfig, CircuitBreaker
+from replicas.replica import Replica, ReplicaState
 from routing.config import CapacitySettings, RetryBudgetSettings, RoutingSettings
 from routing.metrics import RoutingMetrics
 from routing.policies import LeastRequests, PrefixAffinity, RoundRobin
@@ -16,7 +17,8 @@ SYSTEM = "You are the support assistant of a large company; answer politely and 
 
 
 def replica(model: str, i: int, state: ReplicaState = ReplicaState.HEALTHY) -> Replica:
-    return Replica(f"{model}-{i}", f"http://{model}{i}", model, "t", model, False, Breaker(2, 10.0), state=state)
+    breaker = CircuitBreaker(BreakerConfig(2, 10.0))
+    return Replica(f"{model}-{i}", f"http://{model}{i}", model, "t", model, False, breaker, state=state)
 
 
 def build(
