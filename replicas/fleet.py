@@ -14,21 +14,18 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from common.breaker import BreakerConfig, CircuitBreaker
+from replicas.config import HealthSettings, KubernetesSource, ModelReplicas, ReplicaSettings, RestartSettings
 from replicas.credentials import CredentialError, upstream_headers
 from replicas.health import HealthChecker
 from replicas.launcher import LaunchSpec, ManagedProcess, free_port
 from replicas.replica import ProbeKind, Replica, ReplicaState
-
-if TYPE_CHECKING:
-    from gateway.settings import HealthSettings, KubernetesSource, ModelSettings, ReplicaSettings, RestartSettings
 
 log = logging.getLogger("fleetgate.fleet")
 
@@ -90,7 +87,7 @@ class Fleet:
 
     def __init__(
         self,
-        models: list[ModelSettings],
+        models: Sequence[ModelReplicas],
         health: HealthSettings,
         *,
         log_dir: Path,
@@ -125,7 +122,7 @@ class Fleet:
         # No trial timeout: the request's Claim hands an unfinished trial back when it ends.
         return CircuitBreaker(BreakerConfig(hs.breaker_failures, hs.breaker_cooldown_s, trial_timeout_s=None))
 
-    def _upstream(self, model: ModelSettings, index: int) -> _Upstream:
+    def _upstream(self, model: ModelReplicas, index: int) -> _Upstream:
         rs = model.replicas[index]
         try:
             headers = upstream_headers(rs.api_key, rs.headers, self._environ)
@@ -133,7 +130,7 @@ class Fleet:
             raise CredentialError(f"models.{model.name}.replicas.{index}.{exc}") from None
         return _Upstream(rs.upstream_model or model.name, rs.probe, rs.scrapes_metrics, headers)
 
-    def _replica(self, rid: str, url: str, model: ModelSettings, up: _Upstream, *, managed: bool) -> Replica:
+    def _replica(self, rid: str, url: str, model: ModelReplicas, up: _Upstream, *, managed: bool) -> Replica:
         # Not probed: routable at once, until the passive breaker says otherwise.
         state = ReplicaState.HEALTHY if up.probe == "none" else ReplicaState.STARTING
         return Replica(
@@ -150,7 +147,7 @@ class Fleet:
             upstream_headers=up.headers,
         )
 
-    def _build(self, model: ModelSettings) -> list[Replica]:
+    def _build(self, model: ModelReplicas) -> list[Replica]:
         replicas: list[Replica] = []
         for source, rs in enumerate(model.replicas):
             up = self._upstream(model, source)

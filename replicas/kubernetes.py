@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 import aiohttp
 import orjson
@@ -35,8 +35,7 @@ from kubernetes_asyncio.client import ApiClient, Configuration, DiscoveryV1Api
 from kubernetes_asyncio.config import load_incluster_config
 from kubernetes_asyncio.config.config_exception import ConfigException
 
-if TYPE_CHECKING:
-    from gateway.settings import KubernetesSource
+from replicas.config import KubernetesSource
 
 log = logging.getLogger("fleetgate.kubernetes")
 

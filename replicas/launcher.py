@@ -26,12 +26,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from replicas.config import RestartSettings
 from replicas.replica import Replica, ReplicaState
-
-if TYPE_CHECKING:
-    from gateway.settings import RestartSettings
 
 log = logging.getLogger("fleetgate.launcher")
 
