@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from gateway.auth import KeyRing
 from gateway.errors import Forbidden, GatewayError, NotFound, error_response
+from replicas.fleet import Fleet
 from replicas.replica import Replica, ReplicaState
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 log = logging.getLogger("fleetgate.admin")
 
@@ -25,15 +23,20 @@ Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 class AdminApi:
-    """Handlers bound to one gateway."""
+    """Handlers over one fleet, behind the admin keys.
 
-    def __init__(self, gateway: Gateway) -> None:
-        self._gateway = gateway
+    ``keyring`` is asked on every request: a configuration reload replaces the keys.
+    """
+
+    def __init__(self, fleet: Fleet, keyring: Callable[[], KeyRing]) -> None:
+        self._fleet = fleet
+        self._keyring = keyring
 
     def _authorize(self, request: web.Request) -> None:
-        if not len(self._gateway.admin_keyring):
+        keyring = self._keyring()
+        if not len(keyring):
             raise Forbidden("The admin API is disabled: configure admin_api_keys.")
-        self._gateway.admin_keyring.owner_of(request.headers.get("Authorization"))
+        keyring.owner_of(request.headers.get("Authorization"))
 
     def guarded(self, handler: Handler) -> Handler:
         async def wrapper(request: web.Request) -> web.Response:
@@ -46,7 +49,7 @@ class AdminApi:
         return wrapper
 
     async def fleet(self, _: web.Request) -> web.Response:
-        fleet = self._gateway.fleet
+        fleet = self._fleet
         now = fleet.clock()
         replicas = [r.snapshot(now) for r in fleet.all()]
         return web.json_response({"replicas": replicas, "healthy": fleet.healthy_count()})
@@ -56,7 +59,7 @@ class AdminApi:
         if replica.state is not ReplicaState.FAILED:
             replica.state = ReplicaState.DRAINING
         log.info("replica drained by operator", extra={"replica": replica.id})
-        return web.json_response(replica.snapshot(self._gateway.fleet.clock()))
+        return web.json_response(replica.snapshot(self._fleet.clock()))
 
     async def undrain(self, request: web.Request) -> web.Response:
         replica = self._replica(request)
@@ -64,10 +67,10 @@ class AdminApi:
             # Back in rotation only if its last probe passed; otherwise the next good one decides.
             replica.state = ReplicaState.HEALTHY if replica.consecutive_probe_failures == 0 else ReplicaState.DOWN
         log.info("replica undrained by operator", extra={"replica": replica.id})
-        return web.json_response(replica.snapshot(self._gateway.fleet.clock()))
+        return web.json_response(replica.snapshot(self._fleet.clock()))
 
     def _replica(self, request: web.Request) -> Replica:
-        replica = self._gateway.fleet.get(request.match_info["replica_id"])
+        replica = self._fleet.get(request.match_info["replica_id"])
         if replica is None:
             raise NotFound(f"No replica {request.match_info['replica_id']!r}.", code="replica_not_found")
         return replica

@@ -708,7 +708,7 @@ def create_admin_app(gateway: Gateway) -> web.Application:
 
 
 def _add_monitoring_routes(app: web.Application, gateway: Gateway) -> None:
-    admin = AdminApi(gateway)
+    admin = AdminApi(gateway.fleet, lambda: gateway.admin_keyring)
     metrics = gateway.prometheus
     app.router.add_get("/metrics", admin.guarded(metrics) if gateway.settings.server.metrics_require_key else metrics)
     admin.add_routes(app)
