@@ -29,6 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.metrics import MetricSet
+
 KINDS = ("exact", "semantic")
 LOOKUP_RESULTS = ("hit", "miss", "timeout", "unavailable", "error")
 # A memory lookup takes microseconds, a Redis one a fraction of a millisecond; the buckets
@@ -57,11 +59,11 @@ class EmbedderStatsCollector(Collector):
         yield CounterMetricFamily("fleetgate_cache_embed_texts", "Texts the embedder embedded.", value=texts)
 
 
-class CacheMetrics:
+class CacheMetrics(MetricSet):
     """The counters, histogram and gauges the cache service updates."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        super().__init__(registry)
         r = self.registry
         self.lookups = Counter(
             "fleetgate_cache_lookups_total",
@@ -94,7 +96,6 @@ class CacheMetrics:
             ["kind"],
             registry=r,
         )
-        self._bypass: dict[str, Any] = {}
         self.bypass = Counter(
             "fleetgate_cache_bypass_total",
             "Requests that did not use the cache, by reason (nondeterministic, no_cache, disabled, ...).",
@@ -156,16 +157,13 @@ class CacheMetrics:
         self._embedder_stats: EmbedderStatsCollector | None = None
 
     def bypassed(self, reason: str) -> Any:
-        """The bypass counter of ``reason`` (a fixed set), looked up once: ``labels`` is slow."""
-        child = self._bypass.get(reason)
-        if child is None:
-            child = self._bypass[reason] = self.bypass.labels(reason)
-        return child
+        """The bypass counter of ``reason`` (a fixed set)."""
+        return self.series(self.bypass, reason)
 
     def record_lookup(self, kind: str, result: str, seconds: float) -> None:
         """One lookup of ``kind`` ended with ``result`` (one of ``LOOKUP_RESULTS``) after ``seconds``."""
-        self.lookups.labels(kind, result).inc()
-        self.lookup_latency.labels(kind).observe(seconds)
+        self.series(self.lookups, kind, result).inc()
+        self.series(self.lookup_latency, kind).observe(seconds)
         self._total[kind] = self._total.get(kind, 0) + 1
         if result == "hit":
             self._hits[kind] = self._hits.get(kind, 0) + 1
@@ -186,7 +184,3 @@ class CacheMetrics:
             return self._hits[kind] / total if total else 0.0
 
         return ratio
-
-    def sample(self, name: str, **labels: str) -> float:
-        """A current value, e.g. ``sample("fleetgate_cache_lookups_total", kind="exact", result="hit")``."""
-        return self.registry.get_sample_value(name, labels) or 0.0

@@ -58,6 +58,7 @@ from gateway.tracing import TraceContext, start_trace
 from limits.config import reservation
 from limits.decision import Decision, Lease
 from limits.limiter import LimiterOptions, create_limiter
+from limits.metrics import LimitsMetrics
 from limits.plan import Subject
 from replicas.credentials import CredentialError
 from replicas.fleet import Fleet
@@ -126,6 +127,7 @@ class Gateway:
                 breaker=BreakerConfig(failures=ls.breaker_failures, cooldown_s=ls.breaker_cooldown_s),
                 redis_timeout_s=ls.redis_timeout_ms / 1000,
             ),
+            metrics=LimitsMetrics(self.metrics.registry),
             security=redis_security,
         )
         self._background: set[asyncio.Task[None]] = set()
@@ -585,7 +587,7 @@ class Gateway:
         return error_response(ServiceUnavailable("Not ready: starting or draining."), {})
 
     async def prometheus(self, _: web.Request) -> web.Response:
-        # The gateway's own registry plus the process-wide one (limits, caches, process stats).
+        # The gateway's own registry (every package's metrics) plus the process-wide one (process stats).
         body = generate_latest(self.metrics.registry) + generate_latest(REGISTRY)
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

@@ -2,7 +2,8 @@
 
 Labels take values from configuration only (model names, tenant ids, replica ids, endpoint
 kinds, status codes), never from request content, so their cardinality is bounded by the
-config. Each app owns its registry so several gateways can live in one process (tests).
+config. Each app owns its registry so several gateways can live in one process (tests);
+the other packages' metrics live on it too (``common.metrics``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from common.metrics import MetricSet
 
 if TYPE_CHECKING:
     from gateway.settings import TenantSettings
@@ -89,14 +92,11 @@ class Gaps:
         self.total += gap * n
 
 
-class GatewayMetrics:
+class GatewayMetrics(MetricSet):
     """Every metric the gateway core exports."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry(auto_describe=True)
-        # Labelled children by (metric, label values): labels() validates and locks on
-        # every call, and the request path asks for the same few series all the time.
-        self._children: dict[tuple[object, ...], Any] = {}
+        super().__init__(registry)
         r = self.registry
         self.requests = Counter(
             "fleetgate_requests",
@@ -171,14 +171,6 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
-
-    def series(self, metric: Counter | Histogram | Gauge, *labels: str) -> Any:
-        """``metric.labels(*labels)``, remembered (label values come from config: bounded)."""
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
 
 LOOP_LAG_INTERVAL_S = 0.1

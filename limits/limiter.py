@@ -32,7 +32,7 @@ from common.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from limits.config import TenantLimits
 from limits.decision import Decision, Lease, LeaseOrigin, Outcome, decide, unavailable
 from limits.memory_store import MemoryStore
-from limits.metrics import DEFAULT, LimitsMetrics
+from limits.metrics import LimitsMetrics
 from limits.plan import AdmissionPlan, PlanCache, Subject, build_plan
 from limits.redis_store import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S, RedisStore
 from limits.store import LimitStore, StoreUnavailableError
@@ -109,7 +109,7 @@ class Limiter:
         serial = itertools.count(1)
         self._new_id = new_id or (lambda: f"{prefix}.{next(serial)}")
         self._instance = prefix if new_id is None else new_id()
-        self.metrics = metrics or DEFAULT
+        self.metrics = metrics or LimitsMetrics()
         self.breaker = CircuitBreaker(self.options.breaker)
         # Leases not yet settled: for renewal, and to make settle idempotent.
         self._live: dict[str, _Held] = {}

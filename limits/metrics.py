@@ -1,9 +1,8 @@
 """Prometheus metrics of the limits package, all prefixed ``fleetgate_limits_``.
 
 Label values are bounded: ``tenant`` comes from the configuration, ``reason`` from
-``limits.decision.Reason``, ``op`` and ``store`` from fixed sets here. ``DEFAULT`` lives on
-the process-wide default registry, which the gateway's ``/metrics`` serves; tests build
-their own ``LimitsMetrics`` on a private registry.
+``limits.decision.Reason``, ``op`` and ``store`` from fixed sets here. The gateway builds
+``LimitsMetrics`` on its own registry (``common.metrics``); without one, a private registry.
 """
 
 from __future__ import annotations
@@ -11,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.metrics import MetricSet
 
 # Redis answers an EVALSHA in well under a millisecond on a LAN; the buckets resolve that
 # and stretch to the 100 ms timeout so slow calls are visible before they fail.
@@ -29,11 +30,12 @@ class TenantSeries:
     releases: Any
 
 
-class LimitsMetrics:
+class LimitsMetrics(MetricSet):
     """The counters, histogram and gauge the limiter updates."""
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.registry = registry
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        registry = self.registry
         self._tenants: dict[str, TenantSeries] = {}
         self.admissions = Counter(
             "fleetgate_limits_admissions_total",
@@ -102,10 +104,3 @@ class LimitsMetrics:
                 self.releases.labels(tenant),
             )
         return series
-
-    def sample(self, name: str, **labels: str) -> float:
-        """A current value, e.g. ``sample("fleetgate_limits_fallback_active")``; 0 if unset."""
-        return self.registry.get_sample_value(name, labels) or 0.0
-
-
-DEFAULT = LimitsMetrics()

@@ -16,24 +16,24 @@ its count is the number of queued requests, not of all requests.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.metrics import MetricSet
+
 # Queue waits range from a poll interval to the longest allowed wait (30 s by default).
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class RoutingMetrics:
+class RoutingMetrics(MetricSet):
     """Counters and histograms the router and the admission queues update."""
 
-    def __init__(self, registry: CollectorRegistry, policy: str) -> None:
+    def __init__(self, registry: CollectorRegistry | None, policy: str) -> None:
+        super().__init__(registry)
         self.policy = policy
-        r = registry
-        # labels() validates and locks on every call; the request path asks for the same few series.
-        self._children: dict[tuple[object, ...], Any] = {}
+        r = self.registry
         self.decisions = Counter(
             "fleetgate_routing_decisions",
             "Replica choices by model, policy and reason.",
@@ -83,13 +83,6 @@ class RoutingMetrics:
             ["model", "tenant", "how"],
             registry=r,
         )
-
-    def series(self, metric: Counter | Histogram, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def decided(self, model: str, reason: str) -> None:
         self.series(self.decisions, model, self.policy, reason).inc()
