@@ -1,17 +1,17 @@
-"""The gateway application: components, routes, and the path of one request.
+"""The gateway application: its components, its routes, and the runner of the request path.
 
-``Gateway.handle`` is the whole request path in order: authenticate -> read and parse ->
-admit -> cache -> classify -> route -> proxy -> settle, with one place that turns
-``GatewayError`` into an OpenAI error response and one access-log line at the end.
+``Gateway`` builds every part once from the settings. ``Gateway.handle`` runs one request
+through the stages ``gateway.stages`` declares (authenticate -> parse -> classify -> admit
+-> cache -> queue -> forward) until one replies, answers a ``GatewayError`` in OpenAI's
+shape in one place, and hands the finished request to ``gateway.accounting`` (settle,
+metrics, one access-log line).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import math
 import os
 import random
 import time
@@ -19,67 +19,46 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import orjson
 from aiohttp import HttpVersion11, web
 from prometheus_client import REGISTRY, generate_latest
 
-from cache.coalesce import Leader
-from cache.entry import CachedCompletion
-from cache.keys import CachePlan, endpoint_kind
+from cache.coalesce import Wake
 from cache.metrics import CacheMetrics
-from cache.replay import new_completion_id, replay_json, replay_sse
-from cache.service import CacheHit, ResponseCache, create_response_cache
+from cache.service import create_response_cache
 from common.breaker import BreakerConfig
+from gateway.accounting import Accounting
 from gateway.admin import AdminApi
 from gateway.auth import KeyRing
 from gateway.autoscale import AutoscaleCollector, PendingTokens
 from gateway.errors import (
-    BadRequest,
     ExpectationFailed,
     GatewayError,
-    GatewayTimeout,
     InternalError,
     MethodNotAllowed,
     NotFound,
-    PayloadTooLarge,
-    RateLimited,
-    RequestTimeout,
     ServiceUnavailable,
     error_response,
 )
+from gateway.exchange import CLIENT_CLOSED, REQUEST_ID_HEADER, Exchange, request_id
 from gateway.logs import AccessLog
 from gateway.metrics import FleetCollector, GatewayMetrics, QuotaCollector, watch_loop_lag
-from gateway.proxy import Exchange, Proxy
+from gateway.proxy import Proxy
 from gateway.reload import ConfigWatcher
-from gateway.request import Call, Endpoint, parse_call
+from gateway.request import Endpoint
 from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings
-from gateway.spans import Outcome, RequestSpans, Timeline
-from gateway.tracing import TraceContext, start_trace
-from limits.config import reservation
-from limits.decision import Decision, Lease
+from gateway.spans import RequestSpans, Timeline
+from gateway.stages import CONTINUE, Reply, Stages
+from gateway.tracing import start_trace
 from limits.limiter import LimiterOptions, create_limiter
 from limits.metrics import LimitsMetrics
-from limits.plan import Subject
 from replicas.credentials import CredentialError
 from replicas.fleet import Fleet
-from routing.admission import Admitted
-from routing.config import PRIORITIES, Priority
-from routing.fair_queue import RejectReason
 from routing.metrics import QueueCollector, RoutingMetrics
-from routing.router import PoolSpec, Route, Router, TierChoice
+from routing.router import PoolSpec, Router
 
 log = logging.getLogger("fleetgate.app")
 
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
-# nginx's "client closed request": the client left before the response ended.
-CLIENT_CLOSED = 499
-# Routing request headers: force a tier (where the tenant allows it), bound the request's
-# time, lower its queueing priority. The response carries x-fleetgate-route (debug).
-TIER_HEADER = "x-fleetgate-tier"
-TIMEOUT_HEADER = "x-fleetgate-timeout-ms"
-PRIORITY_HEADER = "x-fleetgate-priority"
-ROUTE_HEADER = "x-fleetgate-route"
-_MAX_REQUEST_ID = 128
 
 
 class Gateway:
@@ -130,12 +109,14 @@ class Gateway:
             metrics=LimitsMetrics(self.metrics.registry),
             security=redis_security,
         )
-        self._background: set[asyncio.Task[None]] = set()
         self.rng = random.Random()
         # Trace and span ids (gateway.tracing): its own stream, so routing's stays as it was.
         self.trace_rng = random.Random()
         # OpenTelemetry spans: None (off, the default) unless an OTLP endpoint is configured.
         self.spans = RequestSpans.from_environment(os.environ)
+        self.accounting = Accounting(
+            self.metrics, self.access_log, self.limiter, self.spans, clock, log_prompts=settings.server.log_prompts
+        )
         self.ready = False
         # Set on SIGTERM: /readyz answers 503 and every response closes its connection, so
         # clients move to other pods before the listener closes (gateway.cli.serve).
@@ -153,7 +134,6 @@ class Gateway:
         self.pending = PendingTokens(m.name for m in settings.models)
         self.metrics.registry.register(AutoscaleCollector(self.pending, settings.autoscaling.target))
         self.apply_tenants(settings.tenants, settings.admin_api_keys)
-        self.default_model = settings.default_model or settings.models[0].name
 
     def apply_settings(self, new: Settings) -> None:
         """A reloaded configuration: the parts that apply live (tenants, keys)."""
@@ -173,389 +153,86 @@ class Gateway:
         self.keyring = keyring
         self.admin_keyring = admin
         self.router.set_weights({t.id: t.weight for t in tenants})
+        # The request path, rebuilt with the tenants: their keys, and whether any uses the cache.
+        self.stages = Stages(
+            self.settings,
+            keyring=keyring,
+            tenants=self.tenants,
+            fleet=self.fleet,
+            router=self.router,
+            limiter=self.limiter,
+            cache=self.cache,
+            proxy=self.proxy,
+            pending=self.pending,
+            routing_metrics=self.routing_metrics,
+            clock=self.clock,
+        )
 
     # -- the request path ---------------------------------------------------------------
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Run the request through ``self.stages.path`` until a stage replies, then account."""
         started = self.clock()
-        request_id = _request_id(request)
-        headers = {"x-request-id": request_id}
         rh = request.headers
         spans = self.spans
-        trace = start_trace(rh.get("traceparent"), rh.get("tracestate"), self.trace_rng, sample_new=spans is not None)
-        timeline = Timeline(started) if spans is not None else None
-        tenant_id: str | None = None
-        model: str | None = None
-        ex: Exchange | None = None
-        lease: Lease | None = None
-        # Tokens a cache hit charges (None: settle on the replica's usage).
-        charged: int | None = None
-        pending = 0  # tokens counted in self.pending for this request's pool
-        status = 500
-        error_code: str | None = None
+        rid = request_id(request)
+        ex = Exchange(endpoint, rid, {REQUEST_ID_HEADER: rid}, started)
+        ex.trace = start_trace(
+            rh.get("traceparent"), rh.get("tracestate"), self.trace_rng, sample_new=spans is not None
+        )
+        if spans is not None:
+            ex.timeline = Timeline(started)
         self.metrics.requests_in_flight += 1
+        left = False
         try:
-            # 1 authenticate
-            key = self.keyring.owner_of(request.headers.get("Authorization"))
-            tenant_id = key.owner
-            tenant = self.tenants[tenant_id]
-            if timeline is not None:
-                timeline.mark("auth", self.clock())
-            # 2 read + parse
-            call = parse_call(endpoint, await self._read_body(request))
-            ex = Exchange(call, request_id, headers, started, trace=trace, timeline=timeline)
-            # 5 classify: "auto" -> a model of the right tier. First, because an unknown
-            # model needs no admission, and the model that answers is part of the cache key.
-            model = self._resolve_model(ex, tenant, request)
-            assert ex.route is not None
-            pending = ex.route.cost
-            self.pending.add(model, pending)
-            headers["x-fleetgate-tier"] = self.fleet.tiers[model]
-            if timeline is not None:
-                timeline.mark("parse", self.clock())
-            # 3 admit: rate limits, concurrency, quotas (a rejection is a value, not a surprise)
-            reserve = reservation(call.prompt_tokens_estimate, call.max_tokens, tenant.limits, call.n)
-            decision = await self.limiter.admit(Subject(tenant.id, key.key_id, call.model), tenant.limits, reserve)
-            headers.update(decision.headers())
-            if timeline is not None:
-                timeline.mark("limits", self.clock())
-            if not decision.allowed:
-                raise _rejection(decision)
-            lease = decision.lease
-            # 4 cache: a stored answer, or the same request already in flight
-            plan = self.cache.plan(
-                tenant.id, model, endpoint, call.body, tenant.cache, request.headers.get("Cache-Control")
-            )
-            cached, leader = await self._from_cache(request, ex, plan, tenant)
-            if timeline is not None:
-                timeline.mark("cache", self.clock())
-            if cached is not None:
-                response = await self._replay(request, ex, cached)
-                status = ex.status
-                charged = ResponseCache.tokens_to_charge(cached.completion, tenant.cache)
-                return response
-            headers["x-fleetgate-cache"] = "miss"
-            # The leader's flight ends with this block, however the request does: refused
-            # while queued, cancelled or failed, its followers never wait on it in vain.
-            with leader or contextlib.nullcontext():
-                # 6 route: a slot in the model's pool (a fair wait when every replica is full),
-                # then the picker that chooses a replica per attempt; 7 proxy
-                pick = await self._picker(ex, tenant, request)
-                if timeline is not None:
-                    timeline.mark("queue", self.clock())
-                if call.stream:
-                    response = await self.proxy.stream(ex, pick, request)
-                else:
-                    response = await self.proxy.complete(ex, pick)
-                if leader is not None and ex.completion is not None:
-                    leader.publish(ex.completion)
-            if plan.store and plan.key is not None and ex.completion is not None:
-                self.cache.store_later(plan.key, ex.completion, tenant.cache, plan.semantic)
-            status = ex.status or response.status
-            error_code = ex.error_code
-            return response
+            reply: Reply = CONTINUE
+            for stage in self.stages.path:
+                reply = await stage(ex, request)
+                if reply is not CONTINUE:
+                    break
+            if isinstance(reply, GatewayError):
+                return _refuse(ex, reply)
+            assert reply is not None, "the last stage always replies"
+            ex.status = ex.status or reply.status
+            return reply
         except GatewayError as err:
-            status, error_code = err.status, err.code
-            return error_response(err, headers)
+            return _refuse(ex, err)
         except asyncio.CancelledError:
-            status, error_code = self._client_left(model)
+            left = True
+            self._client_left(ex)
             raise
         except ConnectionResetError:
             # Writing to a client that already left (aiohttp's ClientConnectionResetError),
             # found by a write before the handler's cancellation arrives: the same disconnect.
-            status, error_code = self._client_left(model)
-            if ex is not None and ex.response is not None:
+            self._client_left(ex)
+            if ex.response is not None:
                 return ex.response
-            return web.Response(status=CLIENT_CLOSED, headers=headers)
+            return web.Response(status=CLIENT_CLOSED, headers=ex.headers)
         except Exception:
-            log.exception("unexpected error", extra={"request_id": request_id})
-            internal = InternalError("The gateway hit an unexpected error; it has been logged.")
-            status, error_code = internal.status, internal.code
-            return error_response(internal, headers)
+            log.exception("unexpected error", extra={"request_id": ex.request_id})
+            return _refuse(ex, InternalError("The gateway hit an unexpected error; it has been logged."))
         finally:
-            # 8 settle: the pool's next waiting request, limits, metrics, one log line
-            if ex is not None and ex.route is not None:
+            # The leader's flight ends with the request, however it ends: refused while
+            # queued, cancelled or failed, its followers never wait on it in vain.
+            if ex.leader is not None:
+                ex.leader.abandon(Wake.HANDOFF if left else Wake.SOLO)
+            # The pool's next waiting request, then limits, metrics, one log line.
+            if ex.route is not None:
                 ex.route.finished()
             self.metrics.requests_in_flight -= 1
-            if pending and model is not None:
-                self.pending.remove(model, pending)
-            if lease is not None:
-                self._settle(lease, charged if charged is not None else _used_tokens(ex))
-            entry = self._record(endpoint, request_id, tenant_id, model, ex, status, error_code, started, trace)
-            if spans is not None and timeline is not None:
-                self._emit_spans(spans, trace, timeline, entry, ex)
+            if ex.pending and ex.model is not None:
+                self.pending.remove(ex.model, ex.pending)
+            self.accounting.close(ex)
 
-    def _client_left(self, model: str | None) -> tuple[int, str]:
-        if model is not None:
-            self.metrics.client_disconnects.labels(model).inc()
-        return CLIENT_CLOSED, "client_closed"
-
-    def _settle(self, lease: Lease, used: int | None) -> None:
-        """Settle in the background: the response need not wait for the limit store."""
-        if lease.origin == "none":
-            return
-        if self.limiter.settle_locally(lease, used):
-            return  # memory store: done synchronously, no task needed
-        task = asyncio.create_task(self.limiter.settle(lease, used), name="settle")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _from_cache(
-        self, request: web.Request, ex: Exchange, plan: CachePlan, tenant: TenantSettings
-    ) -> tuple[CacheHit | None, Leader | None]:
-        """A cached answer (exact or semantic); else, for a cacheable request, the ``Leader``
-        that goes upstream.
-
-        A request identical to one in flight waits for that one's answer (a streaming
-        client gets keep-alives meanwhile) instead of going upstream itself.
-        """
-        if plan.key is None:
-            return None, None
-        ex.cache_kind = endpoint_kind(ex.call.endpoint)
-        ex.cache_max_chars = tenant.cache.max_entry_bytes
-        cached = await self.cache.find(plan)
-        if cached is not None or not plan.coalesce:
-            return cached, None
-        wait_s = self.settings.upstream.first_byte_timeout_s
-        joining = self.cache.coalesce(plan.key, wait_s)
-        if ex.call.stream:
-            joined = await self.proxy.with_keepalive(ex, request, joining, discard=_end_flight)
-        else:  # keep-alives are SSE comments: a JSON client just waits
-            joined = await joining
-        return (CacheHit("exact", joined), None) if isinstance(joined, CachedCompletion) else (None, joined)
-
-    async def finish_background(self, timeout_s: float) -> None:
-        """Let settlements still in flight reach the limit store before it closes (bounded)."""
-        if self._background:
-            await asyncio.wait(self._background, timeout=timeout_s)
-
-    async def _replay(self, request: web.Request, ex: Exchange, hit: CacheHit) -> web.StreamResponse:
-        """Answer from the cache, in the shape the client asked for."""
-        ex.headers["x-fleetgate-cache"] = hit.kind
-        cached = hit.completion
-        ex.usage = cached.usage
-        ex.status = 200
-        ex.first_token_at = self.clock()
-        completion_id, created = new_completion_id(cached.kind), int(time.time())
-        if not ex.call.stream:
-            body = replay_json(cached, completion_id=completion_id, created=created)
-            return web.Response(body=body, content_type="application/json", headers=ex.headers)
-        events = replay_sse(
-            cached, completion_id=completion_id, created=created, include_usage=ex.call.client_wants_usage
-        )
-        response = ex.response or await self.proxy.prepare(ex, request)
-        await response.write(events)
-        await response.write_eof()
-        return response
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.settings.server.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise PayloadTooLarge(f"The request body is larger than the {limit}-byte limit.")
-        try:
-            if request.content.is_eof():  # all of it arrived with the headers: nothing to wait for
-                return await request.read()
-            async with asyncio.timeout(self.settings.server.body_timeout_s):
-                return await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise PayloadTooLarge(f"The request body is larger than the {limit}-byte limit.") from exc
-        except TimeoutError as exc:
-            raise RequestTimeout("The request body did not arrive in time.") from exc
-
-    def _resolve_model(self, ex: Exchange, tenant: TenantSettings, request: web.Request) -> str:
-        """The model whose pool serves the request; sets up its ``Route`` (``ex.route``).
-
-        ``auto`` (and the tenant's ``classify_models``) is classified into a tier, served by
-        that tier's model; the ``x-fleetgate-tier`` request header forces a tier where the
-        tenant allows it. When no model serves a routing tier, ``auto`` is ``default_model``.
-        """
-        call = ex.call
-        name = call.model
-        choice: TierChoice | None = None
-        if (name == "auto" or name in tenant.classify_models) and call.endpoint is not Endpoint.EMBEDDINGS:
-            forced = request.headers.get(TIER_HEADER)
-            choice = self.router.choose_tier(call.body, forced, self._forcible(tenant) if forced else ())
-        if choice is not None:
-            model = choice.model
-            if self.settings.routing.debug_header:
-                ex.headers[ROUTE_HEADER] = choice.header()
-        elif name == "auto":
-            model = self.default_model
-        elif name in self.fleet.by_model:
-            model = name
-        else:
-            raise NotFound(
-                f"The model '{name}' does not exist or you do not have access to it.",
-                code="model_not_found",
-                param="model",
-            )
-        ex.route = self.router.route(model, call.body, call.prompt_tokens_estimate, call.max_tokens, choice, tenant.id)
-        return model
-
-    def _forcible(self, tenant: TenantSettings) -> tuple[str, ...] | list[str]:
-        """Tiers the tenant may force with the request header."""
-        allowed = tenant.allow_force_tier
-        if allowed is True:
-            return self.router.tiers.names
-        return allowed or ()
-
-    async def _picker(self, ex: Exchange, tenant: TenantSettings, request: web.Request) -> Route:
-        """Step 6: the request's deadline, then a slot in its model's pool, and its picker.
-
-        While some replica of the pool has room this is a counter check. When every one is
-        at capacity the tenant's degradation applies (overflow to a smaller tier, a
-        ``max_tokens`` clamp), then the request waits in the pool's fair queue: until a slot
-        frees up, or a 429 (its tenant's queue is full), 503 (waited its priority's longest
-        wait) or 504 (its own deadline passed), each with ``Retry-After`` where retrying helps.
-        """
-        route = ex.route
-        assert route is not None
-        ex.deadline, ex.cut_at_deadline = self._deadline(request, ex.started)
-        now = self.clock()
-        if route.pool.admission.ready(now):
-            return route
-        self._degrade(ex, tenant, route, now)
-        admission = route.pool.admission
-        if admission.ready(now):
-            return route
-        wait_s = self.settings.routing.queue.max_wait_s.for_priority(_priority(tenant, request))
-        deadline = min(now + wait_s, ex.deadline)
-        outcome = await admission.wait(tenant.id, route.cost, deadline)
-        rm = self.routing_metrics
-        if isinstance(outcome, Admitted):
-            route.queued_s = outcome.waited_s
-            rm.series(rm.queue_wait, route.model, tenant.id).observe(outcome.waited_s)
-            return route
-        route.queued_s = self.clock() - now
-        retry_after = {"Retry-After": str(max(1, math.ceil(outcome.retry_after_s)))}
-        err: GatewayError
-        if outcome.reason is RejectReason.QUEUE_FULL:
-            reason = "queue_full"
-            err = RateLimited(
-                f"Too many of your requests are waiting for '{route.model}'; retry later.",
-                code="queue_full",
-                headers=retry_after,
-            )
-        elif deadline >= ex.deadline:
-            reason = "deadline"
-            err = GatewayTimeout(
-                "The request's deadline passed while it waited for a free replica.", code="deadline_exceeded"
-            )
-        else:
-            reason = "wait_exceeded"
-            err = ServiceUnavailable(
-                f"Every replica of '{route.model}' stayed busy for {wait_s:g} s; retry later.",
-                code="queue_timeout",
-                headers=retry_after,
-            )
-        rm.series(rm.shed, route.model, tenant.id, reason).inc()
-        raise err
-
-    def _deadline(self, request: web.Request, started: float) -> tuple[float, bool]:
-        """When the request must be answered: ``upstream.request_timeout_s`` after it started,
-        or sooner if the client asks (``x-fleetgate-timeout-ms``; True: cut attempts there)."""
-        limit = self.settings.upstream.request_timeout_s
-        sent = request.headers.get(TIMEOUT_HEADER)
-        if sent is None:
-            return started + limit, False
-        try:
-            ms = int(sent)
-        except ValueError:
-            ms = 0
-        if ms <= 0:
-            raise BadRequest(f"The {TIMEOUT_HEADER} header must be a positive integer (milliseconds).")
-        return started + min(ms / 1000, limit), True
-
-    def _degrade(self, ex: Exchange, tenant: TenantSettings, route: Route, now: float) -> None:
-        """The tenant's graceful degradation, when its request's pool is saturated."""
-        degrade = tenant.degrade
-        rm = self.routing_metrics
-        if degrade.overflow and route.choice is not None:
-            for smaller in self.router.tiers.smaller(route.choice.tier):
-                if self.router.pools[smaller].admission.ready(now):
-                    rm.series(rm.degraded, route.model, tenant.id, "overflow").inc()
-                    route.switch(smaller, "overflow")
-                    ex.headers["x-fleetgate-tier"] = self.fleet.tiers[smaller]
-                    ex.cache_kind = None  # not the answer the cache key names
-                    return
-        limit = degrade.max_tokens
-        if limit is not None and (ex.call.max_tokens is None or ex.call.max_tokens > limit):
-            rm.series(rm.degraded, route.model, tenant.id, "max_tokens").inc()
-            _clamp_max_tokens(ex.call, limit)
-            route.clamp(limit)
-            ex.cache_kind = None
-
-    def _record(
-        self,
-        endpoint: Endpoint,
-        request_id: str,
-        tenant_id: str | None,
-        model: str | None,
-        ex: Exchange | None,
-        status: int,
-        error_code: str | None,
-        started: float,
-        trace: TraceContext,
-    ) -> dict[str, Any]:
-        now = self.clock()
-        elapsed = now - started
-        model_label = model or "-"
-        m = self.metrics
-        m.series(m.requests, endpoint.label, model_label, str(status)).inc()
-        m.latency.observe((endpoint.label, model_label), elapsed)
-        entry: dict[str, Any] = {
-            "request_id": request_id,
-            "tenant": tenant_id,
-            "endpoint": endpoint.label,
-            "model": model,
-            "status": status,
-            "duration_ms": round(elapsed * 1000, 2),
-            "trace_id": trace.trace_id,
-            "span_id": trace.span_id,
-        }
-        if error_code:
-            entry["error"] = error_code
-        if ex is not None:
-            entry["stream"] = ex.call.stream
-            entry["attempts"] = ex.attempts
-            if ex.route is not None:
-                ex.route.annotate(entry)
-            if ex.replica is not None:
-                entry["replica"] = ex.replica.id
-            if ex.first_token_at is not None:
-                ttft = ex.first_token_at - started
-                entry["ttft_ms"] = round(ttft * 1000, 2)
-                m.ttft.observe((model_label,), ttft)
-            if ex.usage:
-                prompt = int(ex.usage.get("prompt_tokens") or 0)
-                completion = int(ex.usage.get("completion_tokens") or 0)
-                entry["prompt_tokens"], entry["completion_tokens"] = prompt, completion
-                if tenant_id is not None:
-                    m.series(m.tokens, tenant_id, model_label, "prompt").inc(prompt)
-                    m.series(m.tokens, tenant_id, model_label, "completion").inc(completion)
-            if ex.upstream_started is not None:
-                upstream = (ex.upstream_ended or now) - ex.upstream_started
-                m.overhead.observe((endpoint.label,), max(0.0, elapsed - upstream))
-            if self.settings.server.log_prompts:
-                entry["body"] = ex.call.body
-        self.access_log.write(entry)
-        return entry
-
-    def _emit_spans(
-        self, spans: RequestSpans, trace: TraceContext, timeline: Timeline, entry: dict[str, Any], ex: Exchange | None
-    ) -> None:
-        """The request's OpenTelemetry spans (only with tracing on, after the response)."""
-        if timeline.attempts and timeline.attempts[-1].end is None and ex is not None:
-            timeline.attempts[-1].end = ex.upstream_ended
-        try:
-            spans.emit(trace, timeline, Outcome.from_access_entry(entry, ex.call.body if ex else None), self.clock())
-        except Exception:  # tracing must never fail a request
-            log.exception("could not record the request's spans", extra={"request_id": entry.get("request_id")})
+    def _client_left(self, ex: Exchange) -> None:
+        if ex.model is not None:
+            self.metrics.client_disconnects.labels(ex.model).inc()
+        ex.status, ex.error_code = CLIENT_CLOSED, "client_closed"
 
     # -- other endpoints --------------------------------------------------------------------
 
     async def list_models(self, request: web.Request) -> web.Response:
-        headers = {"x-request-id": _request_id(request)}
+        headers = {"x-request-id": request_id(request)}
         try:
             self.keyring.owner_of(request.headers.get("Authorization"))
         except GatewayError as err:
@@ -565,7 +242,7 @@ class Gateway:
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """``GET /v1/models/{id}``: one model, in OpenAI's shape (404 ``model_not_found``)."""
-        headers = {"x-request-id": _request_id(request)}
+        headers = {"x-request-id": request_id(request)}
         name = request.match_info["model"]
         try:
             self.keyring.owner_of(request.headers.get("Authorization"))
@@ -599,75 +276,17 @@ class Gateway:
             err: GatewayError = MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
         else:
             err = NotFound(f"Unknown path {request.path}.", code="unknown_url")
-        return error_response(err, {"x-request-id": _request_id(request)})
+        return error_response(err, {"x-request-id": request_id(request)})
+
+
+def _refuse(ex: Exchange, err: GatewayError) -> web.Response:
+    """The request's answer is ``err``, in OpenAI's error shape."""
+    ex.status, ex.error_code = err.status, err.code
+    return error_response(err, ex.headers)
 
 
 def _model_object(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "fleetgate"}
-
-
-def _rejection(decision: Decision) -> GatewayError:
-    """A limiter's rejection as the client's error: 429 (or 503 when the limit store is down)."""
-    err: GatewayError
-    if decision.status == ServiceUnavailable.status:
-        err = ServiceUnavailable(decision.message, code=decision.error_code, headers=decision.headers())
-    else:
-        err = RateLimited(decision.message, code=decision.error_code, headers=decision.headers())
-        err.type = decision.error_type or err.type
-    return err
-
-
-def _end_flight(joined: Leader | CachedCompletion) -> None:
-    """A flight led by a request that left before it could go upstream: end it."""
-    if isinstance(joined, Leader):
-        joined.abandon()
-
-
-def _priority(tenant: TenantSettings, request: web.Request) -> Priority:
-    """The tenant's priority, or a lower one the request asks for (never a higher one)."""
-    asked = request.headers.get(PRIORITY_HEADER)
-    for level in PRIORITIES:
-        if level == tenant.priority:
-            return level
-        if level == asked:
-            return level
-    return tenant.priority
-
-
-def _clamp_max_tokens(call: Call, limit: int) -> None:
-    """Lower the request's max_tokens to ``limit`` (graceful degradation), in the forwarded body too."""
-    body = dict(call.body)
-    body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = limit
-    call.body = body
-    call.max_tokens = limit
-    call.raw = orjson.dumps(body)
-
-
-def _used_tokens(ex: Exchange | None) -> int | None:
-    """Tokens to settle: the replica's usage; else what was seen streaming; None releases."""
-    if ex is None:
-        return None
-    if ex.usage:
-        total = ex.usage.get("total_tokens")
-        if isinstance(total, int):
-            return total
-    if ex.generated:
-        return ex.call.prompt_tokens_estimate + ex.generated
-    return None
-
-
-# Generated request ids: a random prefix per process and a counter (unique across pods,
-# and cheaper than fresh random bytes for every request).
-_ID_PREFIX = os.urandom(6).hex()
-_ID_SERIAL = itertools.count(1)
-
-
-def _request_id(request: web.Request) -> str:
-    sent = request.headers.get("x-request-id")
-    # Printable ASCII only: it goes back out in headers (to the client, to replicas).
-    if sent and len(sent) <= _MAX_REQUEST_ID and sent.isascii() and sent.isprintable():
-        return sent
-    return f"{_ID_PREFIX}{next(_ID_SERIAL):012x}"
 
 
 def create_app(gateway: Gateway) -> web.Application:
@@ -735,7 +354,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     OpenAI's shape (aiohttp's own is plain text, and a 500 for a header that is not UTF-8)."""
     if request.headers.get("Expect", "").lower() != "100-continue":
         err = ExpectationFailed("Only 'Expect: 100-continue' is supported.")
-        return error_response(err, {"x-request-id": _request_id(request)})
+        return error_response(err, {"x-request-id": request_id(request)})
     if request.version == HttpVersion11:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the response itself is still to come
@@ -771,7 +390,7 @@ async def _lifecycle(app: web.Application) -> Any:
         lag.cancel()
         gateway.router.close()  # requests still queued get their 503 now, not at their deadline
         await gateway.fleet.drain_all(settings.server.shutdown_grace_s)
-        await gateway.finish_background(settings.server.shutdown_grace_s)
+        await gateway.accounting.finish_background(settings.server.shutdown_grace_s)
         gateway.access_log.flush()
 
 

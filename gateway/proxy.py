@@ -21,44 +21,24 @@ import asyncio
 import contextlib
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from cache.entry import CachedCompletion, Kind, StreamCollector, from_json_response
+from cache.entry import StreamCollector, from_json_response
 from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable, error_body
+from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange, Picker
 from gateway.metrics import GatewayMetrics
-from gateway.request import Call
 from gateway.settings import UpstreamSettings
-from gateway.spans import Timeline
 from gateway.sse import SseScanner, error_event
-from gateway.tracing import TraceContext
 from gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from replicas.replica import Claim, Replica
 
-if TYPE_CHECKING:
-    from routing.router import Route
-
 KEEPALIVE = b": keep-alive\n\n"
-# Completion tokens assumed owed when a client sets no max_tokens (routing estimate only).
-DEFAULT_COMPLETION_ESTIMATE = 256
 
 T = TypeVar("T")
-
-
-class Picker(Protocol):
-    """Chooses the replicas of one request, attempt by attempt (``routing.router.Route``)."""
-
-    def __call__(self, exclude: set[str]) -> Replica | None:
-        """A replica not in ``exclude`` (those already tried), or None when none is left."""
-        ...
-
-    def may_retry(self) -> bool:
-        """Whether another attempt may follow a failed one (the retry budget)."""
-        ...
 
 
 class UpstreamFailure(Exception):
@@ -68,46 +48,6 @@ class UpstreamFailure(Exception):
         super().__init__(message)
         self.kind = kind
         self.status = status
-
-
-@dataclass(slots=True)
-class Exchange:
-    """What one request learned on its way through the proxy (for logs, metrics, limits)."""
-
-    call: Call
-    request_id: str
-    headers: dict[str, str]
-    started: float
-    replica: Replica | None = None
-    attempts: int = 0
-    status: int = 0
-    usage: dict[str, Any] | None = None
-    first_token_at: float | None = None
-    upstream_started: float | None = None
-    upstream_ended: float | None = None
-    error_code: str | None = None
-    tried: set[str] = field(default_factory=set)
-    # The client's stream, once prepared (keep-alives or the first event sent).
-    response: web.StreamResponse | None = None
-    # Set when the answer may be cached: its kind ("chat"/"completion") and, once the
-    # response ended well, the answer itself.
-    cache_kind: Kind | None = None
-    cache_max_chars: int = 0
-    completion: CachedCompletion | None = None
-    # Token events relayed (settles limits when a broken stream never reported usage).
-    generated: int = 0
-    # How the request is routed (tier, policy decisions, fallback; for the log line).
-    route: Route | None = None
-    # No new attempt starts past this time (gateway clock); with ``cut_at_deadline`` (the
-    # client asked for a deadline) an attempt in flight is cut there too.
-    deadline: float | None = None
-    cut_at_deadline: bool = False
-    # Why attempts stopped early: "deadline" or "retry_budget".
-    stop: str | None = None
-    # W3C trace context, forwarded to the replica as its parent.
-    trace: TraceContext | None = None
-    # Stage and attempt times for OpenTelemetry spans (None: tracing off).
-    timeline: Timeline | None = None
 
 
 class Proxy:
@@ -164,11 +104,11 @@ class Proxy:
         if ex.timeline is not None:
             ex.timeline.attempt(replica.id, replica.base_url, replica.served_model, self.clock())
         ex.replica = replica
-        ex.headers["x-fleetgate-replica"] = replica.id
-        if ex.route is not None and replica.model != ex.route.model:
+        ex.headers[REPLICA_HEADER] = replica.id
+        if replica.model != pick.model:
             # A fallback model answers: not the model the cache key names, so not cached.
             ex.cache_kind = None
-            ex.headers["x-fleetgate-tier"] = replica.tier
+            ex.headers[TIER_HEADER] = replica.tier
         return replica
 
     async def _before_deadline(self, ex: Exchange, attempt: Awaitable[T]) -> T:
@@ -179,12 +119,6 @@ class Proxy:
                 return await attempt
         except TimeoutError as exc:
             raise UpstreamFailure("deadline", "the request's deadline passed") from exc
-
-    def _claim(self, ex: Exchange, replica: Replica, streamed: bool) -> Claim:
-        if ex.route is not None:
-            return ex.route.claim(replica, streamed)
-        call = ex.call
-        return Claim(replica, call.prompt_tokens_estimate, call.max_tokens or DEFAULT_COMPLETION_ESTIMATE, self.clock())
 
     def _failed(self, replica: Replica, failure: UpstreamFailure) -> None:
         self.metrics.upstream_errors.labels(replica.id, failure.kind).inc()
@@ -206,7 +140,7 @@ class Proxy:
             replica = self._next(ex, pick)
             if replica is None:
                 break
-            claim = self._claim(ex, replica, streamed=False)
+            claim = pick.claim(replica, streamed=False)
             try:
                 if ex.cut_at_deadline:
                     status, body, ctype, parsed = await self._before_deadline(ex, self._send(ex, replica))
@@ -272,7 +206,7 @@ class Proxy:
             replica = self._next(ex, pick)
             if replica is None:
                 break
-            claim = self._claim(ex, replica, streamed=True)
+            claim = pick.claim(replica, streamed=True)
             try:
                 if ex.cut_at_deadline:
                     opening = self._open_with_keepalive(ex, replica, request)

@@ -236,3 +236,29 @@ def _number_in(body: dict[str, Any], name: str, low: float, high: float) -> None
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise BadRequest(f"'{name}' must be a number between {low:g} and {high:g}.", param=name)
+
+
+def context_overflow(call: Call, max_model_len: int) -> BadRequest | None:
+    """OpenAI's 400 ``context_length_exceeded`` when the prompt (estimated) and ``max_tokens``
+    cannot fit in a context of ``max_model_len`` tokens; None when they may.
+
+    The prompt's size is the gateway's estimate (``CHARS_PER_TOKEN``), not a tokenizer's
+    count: this refuses, before any replica is tried, what the replica would refuse anyway.
+    """
+    prompt = call.prompt_tokens_estimate
+    completion = call.max_tokens or 0
+    if prompt + completion <= max_model_len:
+        return None
+    param = _PROMPT_PARAMS[call.endpoint]
+    where = "messages" if param == "messages" else "prompt"
+    return BadRequest(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"about {prompt + completion} tokens ({prompt} in the {where}, {completion} in the completion). "
+        f"Please reduce the length of the {where} or completion.",
+        code="context_length_exceeded",
+        param=param,
+    )
+
+
+# The body field that carries the prompt, by endpoint.
+_PROMPT_PARAMS = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt", Endpoint.EMBEDDINGS: "input"}
