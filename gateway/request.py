@@ -238,12 +238,17 @@ def _number_in(body: dict[str, Any], name: str, low: float, high: float) -> None
         raise BadRequest(f"'{name}' must be a number between {low:g} and {high:g}.", param=name)
 
 
+# The body field that carries the prompt, by endpoint.
+_PROMPT_PARAMS = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt", Endpoint.EMBEDDINGS: "input"}
+
+
 def context_overflow(call: Call, max_model_len: int) -> BadRequest | None:
     """OpenAI's 400 ``context_length_exceeded`` when the prompt (estimated) and ``max_tokens``
     cannot fit in a context of ``max_model_len`` tokens; None when they may.
 
     The prompt's size is the gateway's estimate (``CHARS_PER_TOKEN``), not a tokenizer's
-    count: this refuses, before any replica is tried, what the replica would refuse anyway.
+    count, so a prompt near the limit may be judged either way; the point is to refuse a
+    request that plainly cannot fit before it takes a quota, a queue slot or a replica.
     """
     prompt = call.prompt_tokens_estimate
     completion = call.max_tokens or 0
@@ -258,7 +263,3 @@ def context_overflow(call: Call, max_model_len: int) -> BadRequest | None:
         code="context_length_exceeded",
         param=param,
     )
-
-
-# The body field that carries the prompt, by endpoint.
-_PROMPT_PARAMS = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt", Endpoint.EMBEDDINGS: "input"}

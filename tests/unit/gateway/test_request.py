@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.request import CHARS_PER_TOKEN, MAX_JSON_DEPTH, TOKENS_PER_MESSAGE, Endpoint, parse_call
+from gateway.request import CHARS_PER_TOKEN, MAX_JSON_DEPTH, TOKENS_PER_MESSAGE, Endpoint, context_overflow, parse_call
 
 
 def chat(**fields: object) -> bytes:
@@ -150,3 +150,20 @@ def test_nesting_deeper_than_the_limit_is_a_400() -> None:
     for depth in (MAX_JSON_DEPTH + 1, 256, 300, 1024):
         with pytest.raises(BadRequest, match="deeper"):
             parse_call(Endpoint.CHAT, nested(depth))
+
+
+def test_context_overflow_counts_the_prompt_estimate_and_max_tokens() -> None:
+    # 400 characters: 100 tokens, + 4 for the message's framing.
+    messages = [{"role": "user", "content": "x" * 400}]
+    fits = parse_call(Endpoint.CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 96}))
+    assert fits.prompt_tokens_estimate == 104
+    assert context_overflow(fits, 200) is None  # 104 + 96 = 200
+    too_long = parse_call(Endpoint.CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 97}))
+    err = context_overflow(too_long, 200)
+    assert err is not None
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "messages")
+    # Without max_tokens only the prompt must fit.
+    bare = parse_call(Endpoint.COMPLETIONS, orjson.dumps({"model": "m", "prompt": "x" * 400}))
+    assert context_overflow(bare, 100) is None
+    over = context_overflow(bare, 99)
+    assert over is not None and over.param == "prompt"
