@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from gateway.tracing import TraceContext
     from limits.decision import Lease
     from replicas.replica import Claim, Replica
+    from routing.router import Stop
 
 # Request headers: the request's id (honoured if sent), a forced tier (where the tenant
 # allows it), the request's own time bound, a lower queueing priority.
@@ -66,12 +67,9 @@ class Picker(Protocol):
         """The model whose pool serves the request (the one the cache key names)."""
         ...
 
-    def __call__(self, exclude: Collection[str]) -> Replica | None:
-        """A replica not in ``exclude`` (those already tried), or None when none is left."""
-        ...
-
-    def may_retry(self) -> bool:
-        """Whether another attempt may follow a failed one (the retry budget)."""
+    def next_attempt(self, now: float, tried: Collection[str], attempts: int, deadline: float | None) -> Replica | Stop:
+        """The replica for the next attempt (none of ``tried``), or why there is none: the
+        one retry decision (candidates left, the request's deadline, the retry budget)."""
         ...
 
     def claim(self, replica: Replica, streamed: bool) -> Claim:

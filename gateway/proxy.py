@@ -1,4 +1,6 @@
-"""Forward one call to the fleet: pick, send, retry before commit, relay, account.
+"""Forward one call to the fleet: send, retry before commit, relay. I/O only: which replica
+each attempt goes to, and whether there is another attempt, is the picker's decision
+(``Picker.next_attempt``); streamed and whole responses share one attempt loop (``_answer``).
 
 Retry rule: an attempt that fails before anything reached the client (connect error,
 timeout before the first byte, a 5xx) is retried on another replica, then on the model's
@@ -35,6 +37,7 @@ from gateway.settings import UpstreamSettings
 from gateway.sse import SseScanner, error_event
 from gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from replicas.replica import Claim, Replica
+from routing.router import EXHAUSTED, NO_REPLICA
 
 KEEPALIVE = b": keep-alive\n\n"
 
@@ -78,26 +81,56 @@ class Proxy:
 
     # -- shared by both paths -------------------------------------------------------------
 
-    def _next(self, ex: Exchange, pick: Picker) -> Replica | None:
-        """The next replica to try (the picker walks the pool, then the fallback models).
+    async def _answer(
+        self, ex: Exchange, pick: Picker, send: Callable[[Exchange, Replica], Awaitable[T]], streamed: bool
+    ) -> tuple[Claim, T] | GatewayError:
+        """Attempt after attempt until a replica answers: its claim (still held) and what
+        ``send`` returned; or, when attempts ran out, the error to give the client.
 
-        None when every candidate has been tried, the request's deadline has passed, or the
-        retry budget refuses another attempt (``ex.stop`` says which).
+        An attempt that raises ``UpstreamFailure`` counts against its replica and the next
+        one begins, as far as ``pick.next_attempt`` allows (candidates left, the request's
+        deadline, the retry budget). A deadline cut ends the attempts: no replica's fault.
         """
-        if ex.attempts and ex.deadline is not None and self.clock() >= ex.deadline:
-            ex.stop = "deadline"
-            return None
-        replica = pick(ex.tried)
-        if replica is None:
-            if ex.attempts == 0:
+        last: UpstreamFailure | None = None
+        for _ in range(self.settings.max_attempts):
+            replica = self._next(ex, pick)
+            if replica is None:
+                break
+            claim = pick.claim(replica, streamed)
+            try:
+                if ex.cut_at_deadline:
+                    result = await self._before_deadline(ex, send(ex, replica))
+                else:
+                    result = await send(ex, replica)
+            except UpstreamFailure as failure:
+                # Nothing but keep-alive comments reached the client: another replica may answer.
+                claim.release()
+                last = failure
+                if failure.kind == "deadline":
+                    break
+                self._failed(replica, failure)
+                continue
+            except BaseException:
+                claim.release()
+                raise
+            replica.breaker.record_success()
+            return claim, result
+        return _exhausted(ex, last)
+
+    def _next(self, ex: Exchange, pick: Picker) -> Replica | None:
+        """The next replica to try (the picker walks the pool, then the fallback models), and
+        the attempt's bookkeeping; None when there is none (``ex.stop`` says why, if early)."""
+        choice = pick.next_attempt(self.clock(), ex.tried, ex.attempts, ex.deadline)
+        if isinstance(choice, str):
+            if choice == NO_REPLICA:
                 raise ServiceUnavailable(
                     f"No healthy replica is serving '{ex.call.model}' right now.", code="no_healthy_replica"
                 )
+            if choice != EXHAUSTED:
+                ex.stop = choice
             return None
+        replica = choice
         if ex.attempts:
-            if not pick.may_retry():
-                ex.stop = "retry_budget"
-                return None
             self.metrics.retries.labels(replica.model).inc()
         ex.attempts += 1
         ex.tried.add(replica.id)
@@ -135,37 +168,21 @@ class Proxy:
     # -- non-streaming ----------------------------------------------------------------------
 
     async def complete(self, ex: Exchange, pick: Picker) -> web.Response:
-        last: UpstreamFailure | None = None
-        for _ in range(self.settings.max_attempts):
-            replica = self._next(ex, pick)
-            if replica is None:
-                break
-            claim = pick.claim(replica, streamed=False)
-            try:
-                if ex.cut_at_deadline:
-                    status, body, ctype, parsed = await self._before_deadline(ex, self._send(ex, replica))
-                else:
-                    status, body, ctype, parsed = await self._send(ex, replica)
-            except UpstreamFailure as failure:
-                last = failure
-                if failure.kind == "deadline":  # no fault of the replica; and no attempt after it
-                    break
-                self._failed(replica, failure)
-                continue
-            finally:
-                claim.release()
-            replica.breaker.record_success()
-            ex.status = status
-            if status == 200:
-                if isinstance(parsed.get("usage"), dict):
-                    ex.usage = parsed["usage"]
-                if ex.cache_kind is not None:
-                    ex.completion = from_json_response(ex.cache_kind, body)
-            else:
-                ex.error_code = "upstream_client_error"
-                body, ctype = openai_error_body(status, body), "application/json"
-            return web.Response(status=status, body=body, content_type=ctype, headers=ex.headers)
-        raise _exhausted(ex, last)
+        answer = await self._answer(ex, pick, self._send, streamed=False)
+        if isinstance(answer, GatewayError):
+            raise answer
+        claim, (status, body, ctype, parsed) = answer
+        claim.release()
+        ex.status = status
+        if status == 200:
+            if isinstance(parsed.get("usage"), dict):
+                ex.usage = parsed["usage"]
+            if ex.cache_kind is not None:
+                ex.completion = from_json_response(ex.cache_kind, body)
+        else:
+            ex.error_code = "upstream_client_error"
+            body, ctype = openai_error_body(status, body), "application/json"
+        return web.Response(status=status, body=body, content_type=ctype, headers=ex.headers)
 
     async def _send(self, ex: Exchange, replica: Replica) -> tuple[int, bytes, str, dict[str, Any]]:
         """One attempt: the replica's status, body, content type and, for a 200, the body
@@ -201,55 +218,31 @@ class Proxy:
     # -- streaming --------------------------------------------------------------------------
 
     async def stream(self, ex: Exchange, pick: Picker, request: web.Request) -> web.StreamResponse:
-        last: UpstreamFailure | None = None
-        for _ in range(self.settings.max_attempts):
-            replica = self._next(ex, pick)
-            if replica is None:
-                break
-            claim = pick.claim(replica, streamed=True)
-            try:
-                if ex.cut_at_deadline:
-                    opening = self._open_with_keepalive(ex, replica, request)
-                    upstream, first = await self._before_deadline(ex, opening)
-                else:
-                    upstream, first = await self._open_with_keepalive(ex, replica, request)
-            except UpstreamFailure as failure:
-                # Nothing but keep-alive comments reached the client: try another replica.
-                claim.release()
-                last = failure
-                if failure.kind == "deadline":  # no fault of the replica; and no attempt after it
-                    break
-                self._failed(replica, failure)
-                continue
-            except BaseException:
-                claim.release()
-                raise
-            replica.breaker.record_success()
-            if isinstance(upstream, web.Response):
-                # The replica refused the request (4xx): pass its error through.
-                claim.release()
-                ex.error_code = "upstream_client_error"
-                if ex.response is None:
-                    return upstream
-                await _end_with_error(ex.response, _refusal(upstream))
-                return ex.response
-            try:
-                return await self._relay(ex, upstream, first, claim, request)
-            finally:
-                claim.release()
-                upstream.release()
-        err = _exhausted(ex, last)
-        if ex.response is None:
-            raise err
-        # Keep-alives went out, so the status is already 200: end with an error event.
-        ex.error_code = err.code
-        await _end_with_error(ex.response, err)
-        return ex.response
+        async def open_with_keepalive(ex: Exchange, replica: Replica) -> tuple[UpstreamResponse | web.Response, bytes]:
+            return await self.with_keepalive(ex, request, self._open(ex, replica))
 
-    async def _open_with_keepalive(
-        self, ex: Exchange, replica: Replica, request: web.Request
-    ) -> tuple[UpstreamResponse | web.Response, bytes]:
-        return await self.with_keepalive(ex, request, self._open(ex, replica))
+        answer = await self._answer(ex, pick, open_with_keepalive, streamed=True)
+        if isinstance(answer, GatewayError):
+            if ex.response is None:
+                raise answer
+            # Keep-alives went out, so the status is already 200: end with an error event.
+            ex.error_code = answer.code
+            await _end_with_error(ex.response, answer)
+            return ex.response
+        claim, (upstream, first) = answer
+        if isinstance(upstream, web.Response):
+            # The replica refused the request (4xx): pass its error through.
+            claim.release()
+            ex.error_code = "upstream_client_error"
+            if ex.response is None:
+                return upstream
+            await _end_with_error(ex.response, _refusal(upstream))
+            return ex.response
+        try:
+            return await self._relay(ex, upstream, first, claim, request)
+        finally:
+            claim.release()
+            upstream.release()
 
     async def with_keepalive(
         self, ex: Exchange, request: web.Request, work: Awaitable[T], discard: Callable[[T], None] | None = None

@@ -5,7 +5,8 @@ set; then every sampled request yields:
 
 - a server span ``{operation} {model}`` (``chat``, ``text_completion`` or ``embeddings``)
   whose id is the one the ``traceparent`` sent upstream carries, child of the client's span;
-- one internal span per stage: ``auth``, ``parse``, ``limits``, ``cache``, ``queue``;
+- one internal span per stage: ``auth``, ``parse`` (with classification), ``limits``,
+  ``cache`` (when some tenant uses the cache), ``queue``;
 - one client span per upstream attempt, ``{operation} {served model}``, with the replica's
   address (an attempt followed by another is marked failed).
 

@@ -8,8 +8,9 @@ for a replica not yet tried; it builds the policy's view of the request (``Route
 with prefix keys only when something uses them) once, on the first pick, so a request
 answered from the cache or refused by limits never pays for it. Each choice is recorded in
 the pool's ``PrefixIndex``, which estimates how much of the prompt the chosen replica
-still has cached: the prefill the request's ``Claim`` charges it. Retries after a failed attempt
-are allowed while the primary pool's ``RetryBudget`` has credit.
+still has cached: the prefill the request's ``Claim`` charges it. ``Route.next_attempt`` is
+the one retry decision: a replica for the next attempt, or why there is none (no candidate
+left, the request's deadline passed, or the primary pool's ``RetryBudget`` has no credit).
 
 Nothing here awaits: the waiting (fair queue) is ``routing.admission``, the sending is
 ``gateway.proxy``.
@@ -21,7 +22,7 @@ import functools
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from replicas.replica import Claim, Replica
 from routing.admission import Admission
@@ -49,6 +50,13 @@ from routing.tier_map import TierMap
 
 # Completion tokens assumed owed when a request sets no max_tokens (routing estimate only).
 DEFAULT_COMPLETION_ESTIMATE = 256
+
+# Why a request gets no (further) attempt (``Route.next_attempt``).
+Stop = Literal["no_replica", "exhausted", "deadline", "retry_budget"]
+NO_REPLICA: Stop = "no_replica"
+EXHAUSTED: Stop = "exhausted"
+DEADLINE: Stop = "deadline"
+RETRY_BUDGET: Stop = "retry_budget"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,10 +225,29 @@ class Route:
         self.max_tokens = min(self.max_tokens, max_tokens)
         self.degraded = "max_tokens"
 
+    def next_attempt(self, now: float, tried: Collection[str], attempts: int, deadline: float | None) -> Replica | Stop:
+        """The replica for the request's next attempt, or why there is none.
+
+        ``tried``: replicas already tried, ``attempts`` made so far. A retry (any attempt
+        after the first) starts only before ``deadline`` and while the primary pool's retry
+        budget allows; a first attempt with no replica at all is ``NO_REPLICA``, a retry
+        with none left ``EXHAUSTED``.
+        """
+        if attempts and deadline is not None and now >= deadline:
+            return DEADLINE
+        replica = self._pick(tried, now)
+        if replica is None:
+            return EXHAUSTED if attempts else NO_REPLICA
+        if attempts and not self._may_retry(now):
+            return RETRY_BUDGET
+        return replica
+
     def __call__(self, exclude: Collection[str]) -> Replica | None:
         """A replica not in ``exclude``: the request's pool first, then the fallback chain."""
+        return self._pick(exclude, self._router.clock())
+
+    def _pick(self, exclude: Collection[str], now: float) -> Replica | None:
         router = self._router
-        now = router.clock()
         chain = self._chain
         if chain is None:
             chain = self._chain = router.chain(self.model)
@@ -272,8 +299,11 @@ class Route:
 
     def may_retry(self) -> bool:
         """Whether another attempt may follow a failed one (the primary pool's retry budget)."""
+        return self._may_retry(self._router.clock())
+
+    def _may_retry(self, now: float) -> bool:
         pool = self.pool
-        if pool.budget.withdraw(self._router.clock()):
+        if pool.budget.withdraw(now):
             return True
         if not self.budget_denied:
             self.budget_denied = True

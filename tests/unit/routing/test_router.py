@@ -11,7 +11,7 @@ from replicas.replica import Replica, ReplicaState
 from routing.config import CapacitySettings, RetryBudgetSettings, RoutingSettings
 from routing.metrics import RoutingMetrics
 from routing.policies import LeastRequests, PrefixAffinity, RoundRobin
-from routing.router import PoolSpec, Router, make_policy
+from routing.router import DEADLINE, EXHAUSTED, NO_REPLICA, RETRY_BUDGET, PoolSpec, Router, make_policy
 
 SYSTEM = "You are the support assistant of a large company; answer politely and precisely. " * 20
 
@@ -235,3 +235,21 @@ def test_the_prefix_index_forgets_replicas_that_left_the_pool() -> None:
     members.pop()  # discovery removed it, in place
     router.route("m", chat("one more", system=SYSTEM), 500, 10)(set())
     assert index.replicas() == 1
+
+
+def test_next_attempt_is_a_replica_or_why_there_is_none() -> None:
+    rs = {"m": [replica("m", 0), replica("m", 1)]}
+    router, _ = build([PoolSpec("m", "t")], rs, retry_budget=RetryBudgetSettings(ratio=0.0, min_per_s=0.0, burst=1.0))
+    route = router.route("m", chat("hi"), 10, 10)
+    first = route.next_attempt(0.0, set(), 0, 5.0)
+    assert isinstance(first, Replica)
+    # A retry past the deadline: none, whatever is left.
+    assert route.next_attempt(5.0, {first.id}, 1, 5.0) == DEADLINE
+    # Before it, the one credit of the budget pays for one retry, on the other replica.
+    second = route.next_attempt(1.0, {first.id}, 1, 5.0)
+    assert isinstance(second, Replica) and second.id != first.id
+    assert route.next_attempt(1.0, set(), 2, 5.0) == RETRY_BUDGET
+    assert route.next_attempt(1.0, {"m-0", "m-1"}, 2, 5.0) == EXHAUSTED
+    # A first attempt is never stopped by the deadline or the budget; only by no replica.
+    empty, _ = build([PoolSpec("e", "t")], {"e": [replica("e", 0, ReplicaState.DOWN)]})
+    assert empty.route("e", chat("hi"), 10, 10).next_attempt(9.0, set(), 0, 5.0) == NO_REPLICA
