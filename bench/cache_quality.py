@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cache_quality_report import Curve, Report, Timings, write_report  # noqa: E402
 from bench.qqp_pairs import SPLIT_SEED, duplicate_clusters, load_pairs, split_pairs  # noqa: E402
 from cache.config import PRECISION_SETTINGS, RUNTIMES  # noqa: E402
-from cache.embedder import SentenceTransformerEmbedder, default_model_dir  # noqa: E402
-from cache.pair_features import FloatArray  # noqa: E402
-from cache.semantic_verifier import Candidate, SemanticVerifier, VerifierParams  # noqa: E402
-from cache.vector_index import VectorIndex  # noqa: E402
+from cache.semantic.embedder import SentenceTransformerEmbedder, default_model_dir  # noqa: E402
+from cache.semantic.pair_features import FloatArray  # noqa: E402
+from cache.semantic.vector_index import VectorIndex  # noqa: E402
+from cache.semantic.verifier import Candidate, SemanticVerifier, VerifierParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCOPE = "tenant-a|model-x"
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> Report:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", help="labelled pairs CSV (default: shared/data/qqp_val.csv)")
-    parser.add_argument("--params", help="verifier parameters (default: the shipped cache/data/verifier.json)")
+    parser.add_argument("--params", help="verifier parameters (default: the shipped cache/semantic/data/verifier.json)")
     parser.add_argument(
         "--model-dir", help="sentence-transformers model directory (default: the packaged MiniLM, fine-tuned layers)"
     )

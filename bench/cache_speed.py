@@ -77,19 +77,19 @@ from cache.config import (  # noqa: E402
     SemanticCacheSettings,
     SemanticServiceSettings,
 )
-from cache.embed_model import (  # noqa: E402
-    DEFAULT_LAYERS,
-    load_sentence_transformer,
-    unpack_linear_weights,
-)
-from cache.embedder import SentenceTransformerEmbedder  # noqa: E402
 from cache.entry import CachedCompletion  # noqa: E402
 from cache.keys import exact_key, semantic_query, split_key  # noqa: E402
 from cache.metrics import EMBED_BATCH_BUCKETS, CacheMetrics  # noqa: E402
 from cache.redis_store import RedisStore  # noqa: E402
-from cache.semantic import entry_scope  # noqa: E402
-from cache.semantic_index import SemanticEntry  # noqa: E402
-from cache.semantic_redis import RedisSemanticStore  # noqa: E402
+from cache.semantic.cache import entry_scope  # noqa: E402
+from cache.semantic.embed_model import (  # noqa: E402
+    DEFAULT_LAYERS,
+    load_sentence_transformer,
+    unpack_linear_weights,
+)
+from cache.semantic.embedder import SentenceTransformerEmbedder  # noqa: E402
+from cache.semantic.index import SemanticEntry  # noqa: E402
+from cache.semantic.redis_store import RedisSemanticStore  # noqa: E402
 from cache.service import ResponseCache, create_response_cache  # noqa: E402
 from tests.integration.redis_server import RedisServer  # noqa: E402
 
@@ -311,7 +311,7 @@ async def embedder_variants(texts: list[str], measured: str) -> list[dict[str, A
     """
     import torch
 
-    from cache.embedder import default_model_dir
+    from cache.semantic.embedder import default_model_dir
 
     torch.set_num_threads(1)
     model = load_sentence_transformer(default_model_dir(), DEFAULT_LAYERS)  # the shipped default's model

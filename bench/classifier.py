@@ -158,7 +158,7 @@ def embedding_rows(prompts: Sequence[Prompt], ngram: dict[str, np.ndarray]) -> l
 
     from sklearn.linear_model import LogisticRegression
 
-    from cache.embedder import SentenceTransformerEmbedder
+    from cache.semantic.embedder import SentenceTransformerEmbedder
     from scripts.train_classifier import folds, group_weights
 
     async def embed() -> np.ndarray:

@@ -99,7 +99,7 @@ DEFAULT_MAX_TEXT_CHARS = 1000
 DEFAULT_STREAM_MAX_LEN = 10_000
 
 
-# Where the float32 embedding model runs (cache.embed_onnx). ONNX Runtime computes PyTorch's
+# Where the float32 embedding model runs (cache.semantic.embed_onnx). ONNX Runtime computes PyTorch's
 # float32 vectors (to float rounding) for about half the CPU time per question, lone or in a
 # batch (docs/semantic-cache.md, "Latency"); it runs float32 only, so bfloat16 stays on
 # PyTorch. "auto" (the default): ONNX Runtime where it is installed and reproduces PyTorch's
@@ -109,7 +109,7 @@ Runtime = Literal["auto", "onnx", "torch"]
 RUNTIMES: tuple[Runtime, ...] = get_args(Runtime)
 DEFAULT_RUNTIME: Runtime = "auto"
 
-# The numeric format of the embedding model's matrix products (cache.embedder). bfloat16
+# The numeric format of the embedding model's matrix products (cache.semantic.embedder). bfloat16
 # cuts its CPU time by ~40% in batches and ~20-25% for a lone text on a CPU with bfloat16
 # instructions, and moved no held-out result of the float32-trained verifier beyond noise
 # (docs/semantic-cache.md, "Precision"); on a CPU without them it is slower (2-4x) than
@@ -125,7 +125,7 @@ DEFAULT_PRECISION: PrecisionSetting = "auto"
 
 
 class SemanticServiceSettings(_Frozen):
-    """Process-wide semantic cache runtime (``cache.semantic``); tenants opt in one by one.
+    """Process-wide semantic cache runtime (``cache.semantic.cache``); tenants opt in one by one.
 
     Nothing here loads a model: the embedder starts only when a tenant enables the
     semantic cache (``tenants[].cache.semantic.enabled``).

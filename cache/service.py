@@ -15,7 +15,7 @@ Where each call sits on the request path (``gateway.app.Gateway.handle``)::
                      if plan.store
 
 Exact first: it costs one Redis read. Only on an exact miss, and only for tenants that
-enable it, does the semantic cache embed the request's text (``cache.semantic``); its hit
+enable it, does the semantic cache embed the request's text (``cache.semantic.cache``); its hit
 is the answer stored under the matching question's exact key, fetched the same way.
 
 Failure policy: the cache is an optimisation, so every store failure, timeout or corrupt
@@ -43,9 +43,9 @@ from cache.keys import Cacheability, CachePlan, SemanticQuery, plan_request, sem
 from cache.memory_store import MemoryStore
 from cache.metrics import CacheMetrics
 from cache.redis_store import RedisStore
-from cache.semantic import SEMANTIC, SemanticCache
-from cache.semantic_redis import RedisSemanticStore, SemanticLog
-from cache.semantic_store import MemorySemanticStore, SemanticStore
+from cache.semantic.cache import SEMANTIC, SemanticCache
+from cache.semantic.redis_store import RedisSemanticStore, SemanticLog
+from cache.semantic.store import MemorySemanticStore, SemanticStore
 from cache.store import CacheStore, CacheUnavailable
 from redisconn.config import RedisSecurity
 from redisconn.factory import ClientOptions, connect

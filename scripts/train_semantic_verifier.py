@@ -1,4 +1,4 @@
-"""Train the semantic cache's verifier and write ``cache/data/verifier.json``.
+"""Train the semantic cache's verifier and write ``cache/semantic/data/verifier.json``.
 
     .venv/bin/python scripts/train_semantic_verifier.py [--model-dir DIR] [--out PATH]
 
@@ -56,11 +56,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cache_quality_report import Curve
 from bench.qqp_pairs import SPLIT_SEED, Pair, duplicate_clusters, fold_of, load_pairs, split_pairs
 from cache.config import PRECISIONS, Precision
-from cache.embed_model import DEFAULT_LAYERS
-from cache.embedder import SentenceTransformerEmbedder
-from cache.pair_features import FloatArray, feature_matrix, feature_names
-from cache.semantic_verifier import PARAMS_FORMAT, Candidate, SemanticVerifier, VerifierParams
-from cache.vector_index import VectorIndex
+from cache.semantic.embed_model import DEFAULT_LAYERS
+from cache.semantic.embedder import SentenceTransformerEmbedder
+from cache.semantic.pair_features import FloatArray, feature_matrix, feature_names
+from cache.semantic.vector_index import VectorIndex
+from cache.semantic.verifier import PARAMS_FORMAT, Candidate, SemanticVerifier, VerifierParams
 from scripts.train_semantic_embedder import EMBEDDER_FOLDS
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "cache" / "data" / "verifier.json"
@@ -142,7 +142,7 @@ def export_bagged(models: list[Any]) -> dict[str, Any]:
     """The fitted ensembles' mean log-odds as one tree ensemble of plain lists.
 
     Averaging ``len(models)`` boosted ensembles in log-odds is a sum over all their trees
-    with every leaf divided by ``len(models)``, so ``cache.semantic_verifier.TreeEnsemble``
+    with every leaf divided by ``len(models)``, so ``cache.semantic.verifier.TreeEnsemble``
     evaluates it unchanged.
     """
     trees = []

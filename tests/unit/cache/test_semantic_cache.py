@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 from cache.config import CacheServiceSettings, CacheSettings, SemanticCacheSettings, SemanticServiceSettings
-from cache.embedder import Embeddings, HashingEmbedder
 from cache.entry import CachedCompletion
 from cache.keys import split_key
 from cache.memory_store import MemoryStore
 from cache.metrics import CacheMetrics
-from cache.semantic import SemanticCache, State
-from cache.semantic_store import MemorySemanticStore
+from cache.semantic.cache import SemanticCache, State
+from cache.semantic.embedder import Embeddings, HashingEmbedder
+from cache.semantic.store import MemorySemanticStore
 from cache.service import ResponseCache, create_response_cache
 
 CHAT = "/v1/chat/completions"

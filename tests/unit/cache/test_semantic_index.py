@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache.semantic_index import SemanticEntry, SemanticIndex, decode_vector, encode_vector, round_vector
+from cache.semantic.index import SemanticEntry, SemanticIndex, decode_vector, encode_vector, round_vector
 
 DIM = 16
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache.semantic_index import SemanticEntry, SemanticIndex
-from cache.semantic_redis import Event
-from cache.semantic_store import MemorySemanticStore
-from cache.semantic_sync import apply_events
+from cache.semantic.index import SemanticEntry, SemanticIndex
+from cache.semantic.redis_store import Event
+from cache.semantic.store import MemorySemanticStore
+from cache.semantic.sync import apply_events
 
 DIM = 8
 

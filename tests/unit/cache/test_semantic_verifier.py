@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cache.pair_features import FEATURE_NAMES, feature_names, lexical_features, pair_features
-from cache.semantic_verifier import (
+from cache.semantic.pair_features import FEATURE_NAMES, feature_names, lexical_features, pair_features
+from cache.semantic.verifier import (
     BELOW_COSINE_FLOOR,
     LOW_SCORE,
     NO_CANDIDATE,

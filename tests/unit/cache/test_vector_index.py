@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache.vector_index import SearchHit, VectorIndex, nearest_rows
+from cache.semantic.vector_index import SearchHit, VectorIndex, nearest_rows
 
 
 def unit(*values: float) -> np.ndarray:

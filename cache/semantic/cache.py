@@ -2,7 +2,7 @@
 
 ``ResponseCache`` calls it after an exact miss (``lookup``) and after an upstream answer was
 kept under its exact key (``store``). The answer itself stays in the exact cache; a semantic
-entry points at it (see ``cache.semantic_store``). One lookup::
+entry points at it (see ``cache.semantic.store``). One lookup::
 
     text ──embed (batched, off the loop, bounded)──► vector
          ──SemanticIndex.candidates(scope, k=4, cosine floor)──► candidates
@@ -17,7 +17,7 @@ answer reuses it (vectors are remembered by text for a while, ``MEMO_SIZE``).
 Lifecycle: nothing is loaded until ``start`` (the gateway starts it when a tenant enables
 the semantic cache, at start-up or on the first request after a reload enabled it). With
 Redis, ``start`` also loads the shared entries and keeps following them
-(``cache.semantic_sync``), waiting at most ``load_timeout_s`` for the first load.
+(``cache.semantic.sync``), waiting at most ``load_timeout_s`` for the first load.
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from enum import StrEnum
 from typing import Any
 
 from cache.config import CacheSettings, SemanticServiceSettings
-from cache.embedder import Embedder, SentenceTransformerEmbedder
 from cache.keys import SemanticQuery, split_key
 from cache.metrics import CacheMetrics
-from cache.semantic_index import SemanticEntry, SemanticIndex, round_vector
-from cache.semantic_redis import SemanticLog
-from cache.semantic_store import SemanticStore
-from cache.semantic_sync import SemanticSync
-from cache.semantic_verifier import SemanticVerifier, VerifierParams
+from cache.semantic.embedder import Embedder, SentenceTransformerEmbedder
+from cache.semantic.index import SemanticEntry, SemanticIndex, round_vector
+from cache.semantic.redis_store import SemanticLog
+from cache.semantic.store import SemanticStore
+from cache.semantic.sync import SemanticSync
+from cache.semantic.vector_index import Vector
+from cache.semantic.verifier import SemanticVerifier, VerifierParams
 from cache.store import CacheUnavailable
-from cache.vector_index import Vector
 
 log = logging.getLogger("fleetgate.cache")
 

@@ -11,7 +11,7 @@ ordered change stream that every process tails; docs/configuration.md weighs it)
     {fg:s}:seq             string  number of events ever written (a counter)
 
 Redis has no vector search here, so it is a store and a changelog, not an index: each
-process searches its own ``SemanticIndex`` and keeps it in sync (``cache.semantic_sync``)
+process searches its own ``SemanticIndex`` and keeps it in sync (``cache.semantic.sync``)
 by a full load (SCAN of the hashes) at start, then by tailing the stream. Every write is
 one script that changes the hashes *and* appends the events describing the change, each
 with the next number of the counter; a reader that sees a number other than the one it
@@ -32,8 +32,8 @@ from redis.asyncio.cluster import RedisCluster
 from cache.config import DEFAULT_STREAM_MAX_LEN
 from cache.keys import split_key
 from cache.redis_store import RedisStore
-from cache.semantic_index import SemanticEntry, decode_vector, encode_vector
-from cache.semantic_store import PutResult
+from cache.semantic.index import SemanticEntry, decode_vector, encode_vector
+from cache.semantic.store import PutResult
 from redisconn.factory import RedisClient
 
 DEFAULT_TAG = "{fg:s}"

@@ -7,7 +7,7 @@ tenant on its own (``max_entries``; the oldest-used entries go first) and expire
 
 ``MemorySemanticStore`` is the embedded default (no ``redis_url``): it only keeps the
 bounds, since this process's ``SemanticIndex`` is the one copy of the entries.
-``RedisSemanticStore`` (``cache.semantic_redis``) shares them between processes.
+``RedisSemanticStore`` (``cache.semantic.redis_store``) shares them between processes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cache.keys import split_key
-from cache.semantic_index import SemanticEntry
+from cache.semantic.index import SemanticEntry
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ of 32 (length groups in both) 2.4 against 5.2 ms; the vectors agree to float rou
 ``OnnxDirect.export`` traces the loaded transformer (with whatever layers were applied to it)
 together with its pooling and L2 norm into an ONNX graph (~1.5 s at start-up, in a temporary
 directory removed once the runtime has loaded it), and serves texts as
-``cache.embed_model.Direct`` does: a lone text unpadded, a batch in groups of similar length.
-It only computes in float32. ``cache.embedder`` uses it in place of ``Direct`` only if it
+``cache.semantic.embed_model.Direct`` does: a lone text unpadded, a batch in groups of similar length.
+It only computes in float32. ``cache.semantic.embedder`` uses it in place of ``Direct`` only if it
 reproduces ``Direct``'s vectors on the probe texts.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cache.embed_model import Embeddings, length_groups, mean_pool
+from cache.semantic.embed_model import Embeddings, length_groups, mean_pool
 
 # The ONNX operator set the graph is written in: 17 has LayerNormalization, which keeps
 # BERT's layer norms one fused kernel; ONNX Runtime 1.20 and later run it.

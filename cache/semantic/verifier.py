@@ -4,11 +4,11 @@ The index proposes the cached questions nearest to a query by cosine; this modul
 whether the best of them may answer it. A wrong hit hands a user the answer to another
 question, so the decision is tuned for few false hits first and recall second.
 
-The decision is a gradient-boosted tree ensemble over ``cache.pair_features`` (the cosine,
+The decision is a gradient-boosted tree ensemble over ``cache.semantic.pair_features`` (the cosine,
 word-level agreement, and where the two embeddings disagree): five ensembles of shallow
 trees averaged in log-odds, stored as one. It is trained by
 ``scripts/train_semantic_verifier.py`` on one half of a labelled question-pair set and
-shipped as ``cache/data/verifier.json`` (trees, a projection, the default threshold and
+shipped as ``cache/semantic/data/verifier.json`` (trees, a projection, the default threshold and
 the out-of-fold numbers measured on that half). Evaluating it needs numpy only: no
 scikit-learn or torch at lookup time, ~0.6 ms of CPU for the top-4 candidates of a lookup.
 
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from cache.pair_features import FEATURE_NAMES, FloatArray, feature_names, pair_features
+from cache.semantic.pair_features import FEATURE_NAMES, FloatArray, feature_names, pair_features
 
 PARAMS_FORMAT = 1
 DEFAULT_PARAMS = "verifier.json"
@@ -147,10 +147,10 @@ class VerifierParams:
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> VerifierParams:
-        """Read a parameters file; the one shipped in ``cache/data`` by default."""
+        """Read a parameters file; the one shipped in ``cache/semantic/data`` by default."""
         try:
             if path is None:
-                text = resources.files("cache").joinpath("data", DEFAULT_PARAMS).read_text("utf-8")
+                text = resources.files("cache.semantic").joinpath("data", DEFAULT_PARAMS).read_text("utf-8")
             else:
                 text = Path(path).read_text("utf-8")
             data = json.loads(text)

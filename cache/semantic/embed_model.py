@@ -1,4 +1,4 @@
-"""The embedding model's forward passes, for ``cache.embedder`` to choose from at start-up.
+"""The embedding model's forward passes, for ``cache.semantic.embedder`` to choose from at start-up.
 
 - ``Encode``: ``SentenceTransformer.encode``, normalised; works for any model.
 - ``Direct``: the tokenizer, the transformer, mean or CLS pooling and the L2 norm called
@@ -13,7 +13,7 @@
   kernel instead of having it reorder them on every product (the same bits).
 
 Each is a plain callable from texts to unit vectors, run on the embedder's one thread. None
-of them checks itself: ``cache.embedder`` compares each against ``encode`` (or against the
+of them checks itself: ``cache.semantic.embedder`` compares each against ``encode`` (or against the
 path without it) on probe texts at start-up and falls back when a vector moves.
 """
 

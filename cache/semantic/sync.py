@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from cache.metrics import CacheMetrics
-from cache.semantic_index import SemanticIndex
-from cache.semantic_redis import Event, SemanticLog
+from cache.semantic.index import SemanticIndex
+from cache.semantic.redis_store import Event, SemanticLog
 
 log = logging.getLogger("fleetgate.cache")
 

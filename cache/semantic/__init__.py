@@ -1,0 +1,1 @@
+"""The semantic cache: embed a question, find its near neighbours, verify, share."""
