@@ -62,7 +62,7 @@ where its metric crossed the line (interpolated).
 
 examples:
   # the published RTX 3060 sweep against a simulated card running 2x faster than real time
-  python -m replicas.simulator --port 8000 --model qwen --profile rtx3060-qwen2.5-7b-awq --time-scale 2 &
+  python -m sim.server --port 8000 --model qwen --profile rtx3060-qwen2.5-7b-awq --time-scale 2 &
   fleetgate bench --target sim=http://127.0.0.1:8000 --model qwen --profile rtx3060-reproduction \\
       --concurrency 1,2,4,8,16,32,64,96 --start-together --time-scale 2 --reference \\
       --metrics-url http://127.0.0.1:8000 --slo "ttft_p95<=1.0" --slo "per_user_tps>=10" --out bench/results

@@ -14,7 +14,7 @@ load, then the rest are cancelled. Every request streams (``stream_options.inclu
 for the real token counts) and each text event is timestamped on arrival.
 
 ``time_scale`` is for simulated replicas that run faster than real time (``python -m
-replicas.simulator --time-scale X``): think times and windows are divided by it when the
+sim.server --time-scale X``): think times and windows are divided by it when the
 generator waits, and every measured duration is multiplied back, so all figures are in
 real-time-equivalent units.
 """

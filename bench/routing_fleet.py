@@ -29,7 +29,7 @@ import yaml
 
 from gateway.settings import Settings, hash_key
 from replicas.launcher import free_port
-from replicas.sim_profiles import get_profile
+from sim.profiles import get_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 # The selectable policies (the gateway's ``routing.policy``); the default first.

@@ -65,7 +65,7 @@ from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings, Res
 from replicas.fleet import Fleet
 from replicas.health import parse_vllm_metrics
 from replicas.replica import GAUGE_KV_CAPACITY_TOKENS
-from replicas.sim_engine import CHARS_PER_TOKEN
+from sim.engine import CHARS_PER_TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -144,9 +144,9 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    from replicas import simulator
+    from sim import server
 
-    simulator.run(args)
+    server.run(args)
     return 0
 
 
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.set_defaults(func=_cmd_check_config)
 
-    from replicas.simulator import add_arguments
+    from sim.server import add_arguments
 
     p = sub.add_parser("sim", help="run one simulated vLLM-compatible replica")
     add_arguments(p)

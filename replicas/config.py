@@ -57,7 +57,7 @@ class SimSettings(_Frozen):
 
     ttft_ms: float = Field(50.0, ge=0)
     tokens_per_s: float = Field(50.0, gt=0)
-    # A calibrated GPU/model profile (``replicas.sim_profiles``); overrides the two above.
+    # A calibrated GPU/model profile (``sim.profiles``); overrides the two above.
     profile: str | None = None
     seed: int = 0
     time_scale: float = Field(1.0, gt=0)

@@ -45,7 +45,7 @@ def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> l
     argv = [
         sys.executable,
         "-m",
-        "replicas.simulator",
+        "sim.server",
         "--port",
         str(port),
         "--model",

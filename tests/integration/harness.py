@@ -29,8 +29,8 @@ from aiohttp import web
 from gateway.app import Gateway, create_app
 from gateway.settings import Settings, hash_key
 from replicas.launcher import free_port
-from replicas.sim_engine import FixedRateConfig, FixedRateEngine
-from replicas.simulator import create_app as create_sim_app
+from sim.engine import FixedRateConfig, FixedRateEngine
+from sim.server import create_app as create_sim_app
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-test-tenant"

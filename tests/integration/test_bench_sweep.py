@@ -35,7 +35,7 @@ def simulator() -> Iterator[str]:
         [
             sys.executable,
             "-m",
-            "replicas.simulator",
+            "sim.server",
             "--port",
             str(port),
             "--model",

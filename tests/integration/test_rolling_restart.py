@@ -119,7 +119,7 @@ async def balancer(backends: list[Backend]) -> AsyncIterator[tuple[str, Balancer
 
 @contextlib.contextmanager
 def simulator(port: int) -> AsyncIterator[None]:  # type: ignore[misc]
-    argv = [sys.executable, "-m", "replicas.simulator", "--port", str(port), "--model", MODEL]
+    argv = [sys.executable, "-m", "sim.server", "--port", str(port), "--model", MODEL]
     argv += ["--ttft-ms", "20", "--tokens-per-s", str(TOKENS_PER_S)]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -2,6 +2,7 @@
 
     gateway                   the HTTP surface; the composition root
     cache, limits, routing    the services the gateway asks (each ignores the others)
+    sim                       the simulated replica `fleetgate sim` runs (vLLM's gauge names)
     replicas                  the fleet routing chooses from
     redisconn                 how the shared stores reach Redis
     common                    shared by all, importing none of them
@@ -27,6 +28,7 @@ LAYERS = {
     "cache": 3,
     "limits": 3,
     "routing": 3,
+    "sim": 3,
     "replicas": 2,
     "redisconn": 1,
     "common": 0,

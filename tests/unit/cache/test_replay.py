@@ -21,8 +21,8 @@ from cache.entry import CachedCompletion, StreamCollector
 from cache.replay import DONE, MAX_CHUNKS, new_completion_id, replay_events, replay_json, replay_sse, split_text
 from gateway.sse import SseScanner
 from replicas.launcher import free_port
-from replicas.sim_engine import FixedRateConfig, FixedRateEngine
-from replicas.simulator import create_app as create_sim_app
+from sim.engine import FixedRateConfig, FixedRateEngine
+from sim.server import create_app as create_sim_app
 
 MODEL = "sim-model"
 CHAT_ENTRY = CachedCompletion("chat", MODEL, "The quick brown fox jumps.", "stop", 12, 6)

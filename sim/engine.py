@@ -1,8 +1,8 @@
 """The engine behind the simulated replica: what decides when each token comes out.
 
-The simulator's HTTP surface (``replicas.simulator``) speaks vLLM's API; everything about
+The simulator's HTTP surface (``sim.server``) speaks vLLM's API; everything about
 *timing* lives behind the small ``SimEngine`` protocol below, so a trivial fixed-rate engine
-(this module) and the faithful continuous-batching model (``replicas.sim_model``) slot in
+(this module) and the faithful continuous-batching model (``sim.model``) slot in
 the same way.
 
     engine.submit(SimRequest) -> SimStream      # admitted at once, tokens come later

@@ -4,7 +4,7 @@ It serves what the gateway and its tests use of vLLM's OpenAI server, byte-compa
 shape: ``/health``, ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions``
 (streaming with ``stream_options.include_usage``, non-streaming with ``usage``),
 ``/v1/embeddings`` (deterministic vectors) and ``/metrics`` with vLLM's metric names.
-*When* tokens come out is the engine's business (``replicas.sim_engine``).
+*When* tokens come out is the engine's business (``sim.engine``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from replicas.sim_engine import FixedRateConfig, FixedRateEngine, SimEngine, SimRequest
+from sim.engine import FixedRateConfig, FixedRateEngine, SimEngine, SimRequest
 
 # vLLM's default when a chat request sets no max_tokens is "the rest of the context";
 # the simulator uses a bounded stand-in so a forgotten max_tokens cannot stream forever.
@@ -239,7 +239,7 @@ def build_engine(
         return FixedRateEngine(
             FixedRateConfig(ttft_s=ttft_ms / 1000 / time_scale, tokens_per_s=tokens_per_s * time_scale)
         )
-    from replicas.sim_engine_batched import BatchedSimEngine
+    from sim.batched_engine import BatchedSimEngine
 
     return BatchedSimEngine.from_profile(
         profile, seed=seed, time_scale=time_scale, num_blocks=num_blocks, block_size=block_size

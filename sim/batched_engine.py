@@ -1,4 +1,4 @@
-"""The faithful ``SimEngine``: the continuous-batching model of ``replicas.sim_model`` in real time.
+"""The faithful ``SimEngine``: the continuous-batching model of ``sim.model`` in real time.
 
 One background task runs engine steps back to back while there is work: it asks the pure
 model for the next step, sleeps that step's duration (divided by ``time_scale``), then hands
@@ -28,9 +28,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from replicas.replica import GAUGE_RUNNING, GAUGE_WAITING
-from replicas.sim_engine import SimRequest, SimStream
-from replicas.sim_model import EngineModel, TokenEvent, prompt_token_ids
-from replicas.sim_profiles import SimProfile, get_profile
+from sim.engine import SimRequest, SimStream
+from sim.model import EngineModel, TokenEvent, prompt_token_ids
+from sim.profiles import SimProfile, get_profile
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class BatchedSimEngine:
         num_blocks: int | None = None,
         block_size: int | None = None,
     ) -> BatchedSimEngine:
-        """Build an engine from a registered profile name (``replicas.sim_profiles.PROFILES``).
+        """Build an engine from a registered profile name (``sim.profiles.PROFILES``).
 
         ``num_blocks`` and ``block_size`` override the profile's KV cache as vLLM's
         ``--num-gpu-blocks-override`` and ``--block-size`` do.

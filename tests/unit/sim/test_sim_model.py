@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from replicas.sim_engine import count_tokens
-from replicas.sim_model import EngineModel, StepResult, block_hashes, prompt_token_ids
-from replicas.sim_profiles import (
+from sim.engine import count_tokens
+from sim.model import EngineModel, StepResult, block_hashes, prompt_token_ids
+from sim.profiles import (
     PROFILES,
     Efficiency,
     GpuSpec,
@@ -220,7 +220,7 @@ def test_the_same_seed_gives_the_same_steps() -> None:
 
 def test_reset_forgets_cached_blocks_unless_some_are_in_use() -> None:
     """As vLLM's /reset_prefix_cache: refused while a request holds blocks, then every hash is gone."""
-    from replicas.sim_model import BlockPool
+    from sim.model import BlockPool
 
     pool = BlockPool(4)
     blocks = pool.allocate(2)

@@ -3,7 +3,7 @@
 No asyncio and no clock: ``EngineModel.step()`` schedules one batch the way vLLM's V1
 scheduler does, advances every scheduled request by the tokens it computed, and returns how
 long that step takes on the profiled GPU with the tokens it produced. The caller owns time
-(``replicas.sim_engine_batched`` sleeps it, ``bench.sim_calibration`` adds it up).
+(``sim.batched_engine`` sleeps it, ``bench.sim_calibration`` adds it up).
 
 What is modelled, after vLLM (``vllm/v1/core/sched/scheduler.py``, ``kv_cache_manager.py``):
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING
-from replicas.sim_engine import CHARS_PER_TOKEN
-from replicas.sim_profiles import SimProfile
+from sim.engine import CHARS_PER_TOKEN
+from sim.profiles import SimProfile
 
 # Parent of the first block in the hash chain (vLLM seeds its chain the same way, with a constant).
 ROOT_BLOCK_HASH = 0
@@ -43,7 +43,7 @@ def prompt_token_ids(text: str) -> list[int]:
     """The simulator's tokens: one per ``CHARS_PER_TOKEN`` characters, id = CRC-32 of the chunk.
 
     Equal prefixes of text give equal prefixes of ids, which is all prefix caching needs; the
-    count matches ``replicas.sim_engine.count_tokens``.
+    count matches ``sim.engine.count_tokens``.
     """
     if not text:
         return [zlib.crc32(b"")]

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from replicas.sim_engine import SimRequest, SimStream, count_tokens
-from replicas.sim_engine_batched import BatchedSimEngine
+from sim.batched_engine import BatchedSimEngine
+from sim.engine import SimRequest, SimStream, count_tokens
 
 QWEN = "rtx3060-qwen2.5-7b-awq"
 FAST = 1000.0  # a 17 ms step takes 17 us
