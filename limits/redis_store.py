@@ -141,11 +141,6 @@ class RedisStore:
     def _now_arg(self) -> str:
         return "" if self._clock is None else _num(float(self._clock()))
 
-    async def load_scripts(self) -> None:
-        """SCRIPT LOAD every script up front (optional: EVALSHA loads on NOSCRIPT anyway)."""
-        for script in (ADMIT, SETTLE, RENEW, PEERS):
-            await self._guard(self._client.script_load(script.source))
-
     async def _guard(self, call: Any) -> Any:
         if self._closed:
             raise RuntimeError("RedisStore is closed")
