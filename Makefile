@@ -38,7 +38,7 @@ test-integration: $(STAMP)
 	$(BIN)/pytest -q tests/integration
 
 lint: $(STAMP)
-	$(BIN)/ruff check gateway routing cache limits replicas sim redisconn common bench tests scripts
+	$(BIN)/ruff check gateway routing cache limits replicas sim redisconn common capacity bench tests scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

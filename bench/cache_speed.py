@@ -65,7 +65,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.qqp_pairs import SPLIT_SEED, load_pairs, split_pairs  # noqa: E402
-from bench.stats import percentile  # noqa: E402
 from cache.config import (  # noqa: E402
     DEFAULT_EMBED_TIMEOUT_MS,
     PRECISION_SETTINGS,
@@ -91,6 +90,7 @@ from cache.semantic.embedder import SentenceTransformerEmbedder  # noqa: E402
 from cache.semantic.index import SemanticEntry  # noqa: E402
 from cache.semantic.redis_store import RedisSemanticStore  # noqa: E402
 from cache.service import ResponseCache, create_response_cache  # noqa: E402
+from capacity.stats import percentile  # noqa: E402
 from tests.integration.redis_server import RedisServer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

@@ -10,7 +10,7 @@
 Each policy gets its own ``fleetgate serve`` process with eight managed ``engine: sim``
 replicas (``h100-llama-3.1-8b``), started once and kept for the whole run. The four fleets
 run side by side: every (workload, rate, seed) point is played against all of them at the
-same moment, by one load generator (``bench.loadgen``), so whatever else the machine does
+same moment, by one load generator (``capacity.loadgen``), so whatever else the machine does
 hits every policy alike. The simulated GPUs run slower than real time (``--time-scale``)
 so the Python cost of relaying tokens stays small next to simulated step times; every
 figure is converted back to real-time-equivalent seconds.
@@ -44,8 +44,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import aiohttp
 import orjson
 
-from bench.fleet_probe import FleetProbe, MetricsSource
-from bench.loadgen import LoadGenerator, PointPlan, Progress, Target
 from bench.routing_fleet import (
     DEFAULT_POLICY,
     MODEL,
@@ -59,11 +57,16 @@ from bench.routing_fleet import (
     runnable_policies,
 )
 from bench.routing_metrics import RUNNING, WAITING, FleetReading, point_summary, pooled, read_fleet
-from bench.stats import Metrics, RequestSample
-from bench.workload import Workload, load_workload
+from capacity.fleet_probe import FleetProbe, MetricsSource
+from capacity.loadgen import LoadGenerator, PointPlan, Progress, Target
+from capacity.stats import Metrics, RequestSample
+from capacity.workload import Workload, load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+# The routing workloads are this benchmark's own, beside it, not among the planner's shipped
+# profiles (capacity/profiles).
+PROFILES = ROOT / "bench" / "profiles"
 # A background load's measurement window never opens: it runs until it is cancelled.
 NEVER_S = 1e9
 # Fleet gauges are read this often (wall seconds) while a point runs.
@@ -350,7 +353,7 @@ class Bench:
 
     async def run_experiment(self, exp: Experiment) -> None:
         c, scale = self.config, self.config.timing.time_scale
-        workload = load_workload(exp.profile)
+        workload = load_workload(PROFILES / f"{exp.profile}.yaml")
         fg, bg, bg_share = split_workload(workload, exp.background)
         run_id = f"{self.nonce}-{exp.key}"
         key = TenantSpec("bench", "sk-routing-bench").api_key
@@ -393,7 +396,7 @@ class Bench:
     async def run_fair(self, fair: FairPlan) -> None:
         c = self.config
         policies = [p for p in c.fair_policies if p in self.fleets]
-        workload = load_workload(fair.profile)
+        workload = load_workload(PROFILES / f"{fair.profile}.yaml")
         run_id = f"{self.nonce}-fair"
         async with contextlib.AsyncExitStack() as stack:
             gens_a = {p: await stack.enter_async_context(LoadGenerator(workload, run_id=run_id)) for p in policies}

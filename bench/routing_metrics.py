@@ -1,7 +1,7 @@
 """What the routing benchmark reads off a point: goodput, SLO attainment, cache hits, balance.
 
 Pure code over plain data: the client's ``RequestSample``s of one measurement window and
-the replicas' gauges sampled during it (``bench.fleet_probe.FleetWindow.samples``: one dict
+the replicas' gauges sampled during it (``capacity.fleet_probe.FleetWindow.samples``: one dict
 of vLLM metrics per replica, per sample).
 
 Definitions (the report repeats them):
@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.fleet_probe import Gauges
-from bench.stats import Metrics, RequestSample, maybe_percentile, percentile, point_metrics
+from capacity.fleet_probe import Gauges
+from capacity.stats import Metrics, RequestSample, maybe_percentile, percentile, point_metrics
 
 TTFT_SLO_S = 1.0
 ITL_SLO_S = 0.100
@@ -125,7 +125,7 @@ def _idle_while_queued(replicas: list[Gauges]) -> bool:
 def point_summary(
     samples: Sequence[RequestSample], window_s: float, window_tokens: float, fleet: FleetReading | None
 ) -> Metrics:
-    """The client's metrics of one point (``bench.stats.point_metrics``) plus the routing ones."""
+    """The client's metrics of one point (``capacity.stats.point_metrics``) plus the routing ones."""
     metrics = point_metrics(samples, window_s, window_tokens)
     metrics.update(request_metrics(samples, window_s))
     metrics.update(fleet_metrics(fleet))

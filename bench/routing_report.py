@@ -282,7 +282,7 @@ def _method(res: Results) -> list[str]:
             else "**This gateway had no `routing` key yet: only its built-in least-outstanding-tokens policy ran.** "
         ),
         f"- **Side by side**: the {len(res.policies)} fleets run at the same time and every point is played against "
-        "all of them at once by one load generator (`bench.loadgen`, open loop, Poisson session arrivals); "
+        "all of them at once by one load generator (`capacity.loadgen`, open loop, Poisson session arrivals); "
         "each policy's sessions are drawn from the same seeded streams, so they get the same requests at the "
         "same moments. Whatever else the machine does hits every policy alike.",
         f"- **Time scale**: the simulated GPUs ran at {scale:g}x real time (a {1 / scale:.1f} s wall-clock "

@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=_cmd_sim)
 
-    from bench.cli import add_arguments as add_bench_arguments
+    from capacity.cli import add_arguments as add_bench_arguments
 
     p = sub.add_parser("bench", help="capacity planner: how many users fit the SLOs")
     add_bench_arguments(p)
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from bench.cli import run
+    from capacity.cli import run
 
     return run(args)
 

@@ -17,9 +17,9 @@ import httpx
 import orjson
 import pytest
 
-from bench.cli import main
-from bench.loadgen import LoadGenerator, PointPlan, Target
-from bench.workload import load_workload
+from capacity.cli import main
+from capacity.loadgen import LoadGenerator, PointPlan, Target
+from capacity.workload import load_workload
 from replicas.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

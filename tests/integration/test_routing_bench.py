@@ -16,7 +16,7 @@ import pytest
 from bench.routing import BenchConfig, Experiment, FairPlan, Timing, run_config, with_fair_from, write_outputs
 from bench.routing_fleet import POLICIES, runnable_policies
 from bench.routing_metrics import FleetReading, is_good, read_fleet, request_metrics
-from bench.stats import RequestSample
+from capacity.stats import RequestSample
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,6 +3,7 @@
     gateway                   the HTTP surface; the composition root
     cache, limits, routing    the services the gateway asks (each ignores the others)
     sim                       the simulated replica `fleetgate sim` runs (vLLM's gauge names)
+    capacity                  the planner `fleetgate bench` runs (reads replicas' /metrics)
     replicas                  the fleet routing chooses from
     redisconn                 how the shared stores reach Redis
     common                    shared by all, importing none of them
@@ -29,6 +30,7 @@ LAYERS = {
     "limits": 3,
     "routing": 3,
     "sim": 3,
+    "capacity": 3,
     "replicas": 2,
     "redisconn": 1,
     "common": 0,

@@ -35,8 +35,8 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from bench.stats import RequestSample, decode_rate, maybe_percentile, tokens_in_window
-from bench.workload import RequestSpec, Session, Workload
+from capacity.stats import RequestSample, decode_rate, maybe_percentile, tokens_in_window
+from capacity.workload import RequestSpec, Session, Workload
 
 Mode = Literal["closed", "open"]
 # After a failed request a closed-loop user pauses this long (wall time), so a dead server

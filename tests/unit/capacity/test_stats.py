@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from bench.fleet_probe import KV_USAGE, PREEMPTIONS, PREFIX_HITS, PREFIX_QUERIES, WAITING, FleetWindow
-from bench.stats import (
+from capacity.fleet_probe import KV_USAGE, PREEMPTIONS, PREFIX_HITS, PREFIX_QUERIES, WAITING, FleetWindow
+from capacity.stats import (
     RequestSample,
     Summary,
     decode_rate,

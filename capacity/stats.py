@@ -1,7 +1,7 @@
 """Statistics of one load point: percentiles and the client-side metrics of a capacity sweep.
 
 Pure code over plain data. ``RequestSample`` is what the load generator records per request
-(already in real-time-equivalent seconds, see ``bench.loadgen``); ``point_metrics`` reduces
+(already in real-time-equivalent seconds, see ``capacity.loadgen``); ``point_metrics`` reduces
 the samples of one measurement window to the flat dict of named numbers that the planner's
 SLOs, the report and the JSON all use.
 

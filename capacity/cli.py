@@ -5,7 +5,7 @@ workload profile, sweeps the load, records what users feel (TTFT, inter-token la
 per-user and total tokens/s, errors) and what the fleet felt (KV-cache use, queues,
 preemptions, prefix-cache hits), and answers with the largest load that meets the SLOs and
 the SLO that breaks first. The gateway's ``fleetgate bench`` subcommand is wired to
-``add_arguments`` and ``run``; ``python -m bench.cli`` runs the same thing.
+``add_arguments`` and ``run``; ``python -m capacity.cli`` runs the same thing.
 """
 
 from __future__ import annotations
@@ -23,12 +23,21 @@ from typing import Any
 
 import aiohttp
 
-from bench.fleet_probe import FLEET_METRICS, AdminFleetSource, FleetProbe, FleetSource, MetricsSource
-from bench.loadgen import LoadGenerator, Mode, PointPlan, Progress, Target
-from bench.planner import Slo, SloError, judge, next_level, parse_slo
-from bench.report import MODE_UNITS, LiveView, PointRecord, SweepRecord, error_totals, from_json, point_row, write_all
-from bench.stats import errors_by_kind, median_metrics, percentile, point_metrics
-from bench.workload import Workload, WorkloadError, load_workload, request_sizes
+from capacity.fleet_probe import FLEET_METRICS, AdminFleetSource, FleetProbe, FleetSource, MetricsSource
+from capacity.loadgen import LoadGenerator, Mode, PointPlan, Progress, Target
+from capacity.planner import Slo, SloError, judge, next_level, parse_slo
+from capacity.report import (
+    MODE_UNITS,
+    LiveView,
+    PointRecord,
+    SweepRecord,
+    error_totals,
+    from_json,
+    point_row,
+    write_all,
+)
+from capacity.stats import errors_by_kind, median_metrics, percentile, point_metrics
+from capacity.workload import Workload, WorkloadError, load_workload, request_sizes
 
 DEFAULT_TARGET = "http://127.0.0.1:8080"
 DESCRIPTION = """\

@@ -7,7 +7,7 @@ history), which is what makes multi-turn load heavier than single requests. A cl
 open every session with a shared part (a system prompt, a repository's context) that a
 prefix cache can reuse, with per-user data before it (every user cold) or after it.
 
-    workload = load_workload("bench/profiles/chat-assistant.yaml")
+    workload = load_workload("capacity/profiles/chat-assistant.yaml")
     session = Session(workload, workload.pick_class(rng), rng, tag="u3s1")
     while (request := session.next_request()) is not None:
         ...send it...; session.record_answer(answer_text)

@@ -4,8 +4,8 @@ SLOs come from the command line as ``METRIC OP VALUE``::
 
     --slo "ttft_p95<=1.0"  --slo "per_user_tps>=10"  --slo "preemptions==0"  --slo "itl_p95<=200ms"
 
-``METRIC`` is any key of a point's metrics (``bench.stats.point_metrics`` from the client,
-``bench.fleet_probe.FLEET_METRICS`` from the replicas). Time values take an optional ``s``
+``METRIC`` is any key of a point's metrics (``capacity.stats.point_metrics`` from the client,
+``capacity.fleet_probe.FLEET_METRICS`` from the replicas). Time values take an optional ``s``
 or ``ms`` suffix. Pure code: points in, verdicts out.
 
 The capacity is the last level of the unbroken run of passing points from the bottom of
@@ -22,8 +22,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from bench.fleet_probe import FLEET_METRICS
-from bench.stats import point_metrics
+from capacity.fleet_probe import FLEET_METRICS
+from capacity.stats import point_metrics
 
 # Every client-side metric name, read off the reducer itself so the two cannot drift apart.
 CLIENT_METRICS: tuple[str, ...] = tuple(point_metrics([], 1.0))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.workload import (
+from capacity.workload import (
     CHARS_PER_TOKEN,
     PROFILES_DIR,
     Session,

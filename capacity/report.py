@@ -1,6 +1,6 @@
 """The outputs of a capacity sweep: the live view, JSON with every sample, a Markdown report, PNG plots.
 
-``SweepRecord`` holds what was run and measured; the plans (``bench.planner``) are computed
+``SweepRecord`` holds what was run and measured; the plans (``capacity.planner``) are computed
 from it here, so the JSON, the report and the plots always agree. Plots use matplotlib's
 Agg backend (no display needed).
 """
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from bench.loadgen import PointPlan, Progress, Target
-from bench.planner import Plan, Slo, judge, parse_slo, plan
-from bench.stats import Metrics, RequestSample, percentile
-from bench.workload import Workload, parse_workload
+from capacity.loadgen import PointPlan, Progress, Target
+from capacity.planner import Plan, Slo, judge, parse_slo, plan
+from capacity.stats import Metrics, RequestSample, percentile
+from capacity.workload import Workload, parse_workload
 
 if TYPE_CHECKING:  # rich and matplotlib are the bench extra's: imported when used, not when `fleetgate` starts
     from rich.console import Console, Group

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.planner import Slo, SloError, next_level, parse_slo, plan
+from capacity.planner import Slo, SloError, next_level, parse_slo, plan
 
 SLOS = [parse_slo("ttft_p95<=1.0"), parse_slo("per_user_tps>=10"), parse_slo("preemptions==0")]
 
