@@ -42,6 +42,7 @@ from urllib.parse import unquote
 import aiohttp
 import orjson
 
+from common.tasks import stop
 from gateway.tracing import TraceContext
 
 log = logging.getLogger("fleetgate.spans")
@@ -297,10 +298,7 @@ class RequestSpans:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop(self._task)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.timeout_s):
                 while self._queue:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from common.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from common.tasks import stop
 from limits.config import TenantLimits
 from limits.decision import Decision, Lease, LeaseOrigin, Outcome, decide, unavailable
 from limits.memory_store import MemoryStore
@@ -312,10 +313,7 @@ class Limiter:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop(self._task)
         beat = getattr(self._store, "heartbeat", None)
         if beat is not None and self.breaker.state is BreakerState.CLOSED:
             with contextlib.suppress(StoreUnavailableError, RuntimeError):

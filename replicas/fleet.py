@@ -8,7 +8,6 @@ then stops the processes in reverse order.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from common.breaker import BreakerConfig, CircuitBreaker
+from common.tasks import stop
 from replicas.config import HealthSettings, KubernetesSource, ModelReplicas, ReplicaSettings, RestartSettings
 from replicas.credentials import CredentialError, upstream_headers
 from replicas.health import HealthChecker
@@ -257,10 +257,7 @@ class Fleet:
 
     async def __aexit__(self, *exc: object) -> None:
         for task in [*self._discovery_tasks, self._health_task]:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await stop(task)
         await asyncio.gather(*(p.stop() for p in reversed(self.processes)))
         if self._session is not None:
             await self._session.close()

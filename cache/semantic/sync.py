@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 from cache.metrics import CacheMetrics
 from cache.semantic.index import SemanticIndex
 from cache.semantic.redis_store import Event, SemanticLog
+from common.tasks import stop
 
 log = logging.getLogger("fleetgate.cache")
 
@@ -116,9 +117,7 @@ class SemanticSync:
     async def close(self) -> None:
         """Stop following and close the log's connection."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop(task)
         await self._log.close()
 
     async def _run(self) -> None:
