@@ -14,8 +14,7 @@ Runs the cache's real decision path on the held-out half of ``qqp_val.csv`` (see
   labels; a hit on any other entry counts as wrong, even unlabelled ones (pessimistic).
 
 Plain cosine thresholds (the previous method) are measured on the same vectors. Writes
-``bench/results/cache-quality.md`` and ``cache-quality.png``. Uses one thread. ``--precision``
-and ``--runtime`` run the embedder with those settings (default: as the gateway would here).
+``bench/results/cache-quality.md`` and ``cache-quality.png``. Uses one thread.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cache_quality_report import Curve, Report, Timings, write_report  # noqa: E402
 from bench.qqp_pairs import SPLIT_SEED, duplicate_clusters, load_pairs, split_pairs  # noqa: E402
-from cache.config import PRECISION_SETTINGS, RUNTIMES  # noqa: E402
 from cache.semantic.embedder import SentenceTransformerEmbedder, default_model_dir  # noqa: E402
 from cache.semantic.pair_features import FloatArray  # noqa: E402
 from cache.semantic.vector_index import VectorIndex  # noqa: E402
@@ -52,6 +50,8 @@ TOP_K = 4
 CONCURRENT_LOOKUPS = 32
 LATENCY_SAMPLES = 300
 INDEX_SIZE_FOR_TIMING = 100_000
+# How the embedder runs the model (the report says it next to the model's name).
+RUN_AS = "float32, ONNX Runtime"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,23 +114,18 @@ def run(args: argparse.Namespace) -> Report:
     columns = (*Progress.get_default_columns()[:-1], MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns) as progress:
 
-        async def embed_phase() -> tuple[FloatArray, Timings, Timings, FloatArray | None, str]:
+        async def embed_phase() -> tuple[FloatArray, Timings, Timings, FloatArray | None]:
             batched = Timings()
-            async with SentenceTransformerEmbedder(
-                args.model_dir, threads=1, precision=args.precision, runtime=args.runtime
-            ) as embedder:
+            async with SentenceTransformerEmbedder(args.model_dir, threads=1) as embedder:
                 vectors = await embed_all(embedder, texts, progress, batched)
                 latency = await embed_latency(embedder, texts[:LATENCY_SAMPLES])
-                run_as = f"{embedder.precision}, {embedder.path} path"
             if args.model_dir is not None:
-                return vectors, latency, batched, None, run_as
+                return vectors, latency, batched, None
             # The packaged model without the fine-tuned layers, for comparison.
-            async with SentenceTransformerEmbedder(
-                default_model_dir(), threads=1, precision=args.precision, runtime=args.runtime
-            ) as untuned:
-                return vectors, latency, batched, await embed_all(untuned, texts, progress, Timings()), run_as
+            async with SentenceTransformerEmbedder(default_model_dir(), threads=1) as untuned:
+                return vectors, latency, batched, await embed_all(untuned, texts, progress, Timings())
 
-        matrix, embed_seconds, embed_batched, untuned_matrix, run_as = asyncio.run(embed_phase())
+        matrix, embed_seconds, embed_batched, untuned_matrix = asyncio.run(embed_phase())
         vectors = {text: matrix[i] for i, text in enumerate(texts)}
         u = np.vstack([vectors[p.question1] for p in held_out])
         v = np.vstack([vectors[p.question2] for p in held_out])
@@ -212,7 +207,7 @@ def run(args: argparse.Namespace) -> Report:
         sketch_agreement=agree,
         sketch_checked=len(eligible),
         untuned_cosine=untuned_cosine,
-        embedder_run=run_as,
+        embedder_run=RUN_AS,
     )
 
 
@@ -223,8 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-dir", help="sentence-transformers model directory (default: the packaged MiniLM, fine-tuned layers)"
     )
-    parser.add_argument("--precision", choices=PRECISION_SETTINGS, default="auto", help="cache.semantic.precision")
-    parser.add_argument("--runtime", choices=RUNTIMES, default="auto", help="cache.semantic.runtime")
     parser.add_argument("--out", default=str(RESULTS), help="directory for cache-quality.md and .png")
     parser.add_argument("--limit", type=int, default=0, help="only the first N held-out pairs (smoke test)")
     args = parser.parse_args(argv)

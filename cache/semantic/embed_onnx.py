@@ -1,19 +1,17 @@
-"""The embedding model on ONNX Runtime: the direct path's float32 vectors for half its CPU time.
+"""The embedding model on ONNX Runtime: the one runtime the semantic cache's embedder has.
 
 PyTorch runs a lone ~15-token question through some hundred small operations, each with its
 dispatch overhead; the matrix products themselves are a small part of the time. ONNX Runtime
-runs the same graph with fused kernels and little per-operation cost. Measured on QQP
-questions, one thread of an AMD EPYC, taking turns (``bench/results/cache-speed.md``): a
-lone question 5.5 ms of CPU against 8.8 ms for PyTorch's direct path, a question in a batch
-of 32 (length groups in both) 2.4 against 5.2 ms; the vectors agree to float rounding
-(largest 1 - cosine against ``encode`` 4.8e-7).
+runs the same graph with fused kernels and little per-operation cost, in float32, so its
+vectors are the ones the verifier was trained on (to float rounding), and it needs no private
+PyTorch operations to get there.
 
-``OnnxDirect.export`` traces the loaded transformer (with whatever layers were applied to it)
-together with its pooling and L2 norm into an ONNX graph (~1.5 s at start-up, in a temporary
-directory removed once the runtime has loaded it), and serves texts as
-``cache.semantic.embed_model.Direct`` does: a lone text unpadded, a batch in groups of similar length.
-It only computes in float32. ``cache.semantic.embedder`` uses it in place of ``Direct`` only if it
-reproduces ``Direct``'s vectors on the probe texts.
+``OnnxModel.export`` traces the loaded transformer (with whatever layers were applied to it)
+together with its pooling and L2 norm into an ONNX graph at start-up (PyTorch's exporter, in a
+temporary directory removed once the runtime has loaded it); PyTorch is not called after that.
+The session serves a lone text unpadded (the lookup of a quiet gateway) and a batch in groups
+of similar length (``cache.semantic.embed_model.length_groups``). ``cache.semantic.embedder``
+checks its vectors against ``SentenceTransformer.encode`` on probe texts before using it.
 """
 
 from __future__ import annotations
@@ -31,13 +29,13 @@ from cache.semantic.embed_model import Embeddings, length_groups, mean_pool
 # The ONNX operator set the graph is written in: 17 has LayerNormalization, which keeps
 # BERT's layer norms one fused kernel; ONNX Runtime 1.20 and later run it.
 OPSET = 17
-# The packages this path needs: the runtime, and onnx for PyTorch's exporter.
+# The packages this runtime needs: ONNX Runtime, and onnx for PyTorch's exporter.
 REQUIRED_MODULES = ("onnxruntime", "onnx")
 
 
-def onnx_available() -> bool:
-    """Whether ONNX Runtime and the exporter's ``onnx`` package are installed."""
-    return all(importlib.util.find_spec(name) is not None for name in REQUIRED_MODULES)
+def missing_modules() -> list[str]:
+    """Those of ``REQUIRED_MODULES`` that are not installed."""
+    return [name for name in REQUIRED_MODULES if importlib.util.find_spec(name) is None]
 
 
 def _pooled_model(transformer: Any, pooling: str, input_names: Sequence[str]) -> Any:
@@ -58,11 +56,11 @@ def _pooled_model(transformer: Any, pooling: str, input_names: Sequence[str]) ->
     return Pooled().eval()
 
 
-class OnnxDirect:
+class OnnxModel:
     """Tokenizer, then the transformer, pooling and L2 norm as one ONNX Runtime session.
 
-    Built by ``export``; a plain callable from texts to unit float32 vectors, like ``Direct``.
-    Needs right padding (trimming a group's pad columns leaves every real token in place).
+    Built by ``export``; a plain callable from texts to unit float32 vectors, run on the
+    embedder's one thread. Needs right padding (trimming a group's pad columns leaves every real token in place).
     """
 
     def __init__(self, tokenizer: Any, session: Any, max_length: int) -> None:
@@ -72,11 +70,10 @@ class OnnxDirect:
         self._inputs = [node.name for node in session.get_inputs()]
 
     @classmethod
-    def export(cls, tokenizer: Any, transformer: Any, max_length: int, pooling: str, threads: int) -> OnnxDirect:
+    def export(cls, tokenizer: Any, transformer: Any, max_length: int, pooling: str, threads: int) -> OnnxModel:
         """Trace ``transformer`` (a loaded Hugging Face model) with ``pooling`` into a session.
 
-        Raises whatever the exporter or the runtime raise for a model they cannot handle;
-        the caller falls back to PyTorch.
+        Raises whatever the exporter or the runtime raise for a model they cannot handle.
         """
         import onnxruntime  # type: ignore[import-untyped]
         import torch

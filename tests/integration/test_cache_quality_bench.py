@@ -29,7 +29,7 @@ def test_a_reduced_run_writes_a_full_report(tmp_path: Path) -> None:
         resolve_pairs_path()
     except FileNotFoundError:
         pytest.skip("shared/data/qqp_val.csv is not there")
-    arguments = ["--limit", "200", "--precision", "float32", "--out", str(tmp_path)]
+    arguments = ["--limit", "200", "--out", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "cache_quality.py"), *arguments],
         cwd=ROOT,
@@ -41,7 +41,7 @@ def test_a_reduced_run_writes_a_full_report(tmp_path: Path) -> None:
     report = (tmp_path / "cache-quality.md").read_text()
     assert (tmp_path / "cache-quality.png").stat().st_size > 0
     assert f"bench/cache_quality.py {' '.join(arguments)}`" in report
-    assert "float32, onnx path" in report or "float32, direct path" in report
+    assert "float32, ONNX Runtime" in report
     counts = re.search(r"Held-out: 200 pairs, (\d+) duplicates, (\d+) non-duplicates", report)
     assert counts is not None and int(counts[1]) + int(counts[2]) == 200
     assert re.search(r"pairwise \*\*(met|not met)\*\* \(recall [\d.]+ at [\d.]+% false hits\)", report)

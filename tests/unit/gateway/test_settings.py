@@ -70,6 +70,26 @@ def test_invalid_config_names_the_key(tmp_path: Path, text: str, where: str) -> 
     assert where in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("semantic", "removed"),
+    [
+        ("{precision: bfloat16}", ["'precision' was removed: the embedding model always computes in float32"]),
+        ("{runtime: torch}", ["'runtime' was removed: the embedding model always runs on ONNX Runtime"]),
+        # Even the values that match what now runs: a setting that does nothing is refused, not ignored.
+        ("{precision: float32, runtime: onnx}", ["'precision' was removed", "'runtime' was removed"]),
+    ],
+)
+def test_the_removed_embedder_settings_are_refused_with_the_fix(
+    tmp_path: Path, semantic: str, removed: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, f"cache: {{semantic: {semantic}}}\n"))
+    message = str(info.value)
+    assert "cache.semantic: " in message
+    assert all(part in message for part in removed)
+    assert "from cache.semantic" in message and "delete" in message
+
+
 def test_yaml_syntax_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_settings(write(tmp_path, "models: [\n"))
