@@ -83,10 +83,10 @@ class SemanticCacheSettings(_Frozen):
     enabled: bool = False
 
 
-# A lone text costs ~13 ms on one thread, a batch of 32 ~130 ms: 100 ms lets an idle or
+# A lone text costs ~5-9 ms on one thread, a batch of 32 ~80-150 ms: 100 ms lets an idle or
 # moderately busy embedder answer and turns a backlog into a quick miss instead of a wait.
 DEFAULT_EMBED_TIMEOUT_MS = 100.0
-# At ~4 ms per text in a batch, 64 queued texts already take ~250 ms, far past the embed
+# At ~2.5-5 ms per text in a batch, 64 queued texts already take ~160-320 ms, past the embed
 # timeout: more would only be embedded for lookups that have given up.
 DEFAULT_MAX_PENDING = 64
 # all-MiniLM-L6-v2 reads at most 256 word pieces (~1,000 characters of English) and ignores
