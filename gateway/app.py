@@ -177,10 +177,11 @@ class Gateway:
         spans = self.spans
         rid = request_id(request)
         ex = Exchange(endpoint, rid, {REQUEST_ID_HEADER: rid}, started)
-        ex.trace = start_trace(
-            rh.get("traceparent"), rh.get("tracestate"), self.trace_rng, sample_new=spans is not None
+        trace = start_trace(
+            rh.get("traceparent"), rh.get("tracestate"), self.trace_rng, spans.sampler if spans is not None else None
         )
-        if spans is not None:
+        ex.trace = trace
+        if spans is not None and trace.sampled:  # only a sampled request notes its stages' times
             ex.timeline = Timeline(started)
         self.metrics.requests_in_flight += 1
         left = False

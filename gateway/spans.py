@@ -1,7 +1,7 @@
 """OpenTelemetry spans per request and per upstream attempt, exported over OTLP/HTTP (JSON).
 
 Off unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is
-set; then every sampled request yields:
+set; then every request the sampler (``gateway.sampling``, ``OTEL_TRACES_SAMPLER``) keeps yields:
 
 - a server span ``{operation} {model}`` (``chat``, ``text_completion`` or ``embeddings``)
   whose id is the one the ``traceparent`` sent upstream carries, child of the client's span;
@@ -43,6 +43,8 @@ import aiohttp
 import orjson
 
 from common.tasks import stop
+from gateway.sampling import DEFAULT as DEFAULT_SAMPLER
+from gateway.sampling import Sampler
 from gateway.tracing import TraceContext
 
 log = logging.getLogger("fleetgate.spans")
@@ -254,10 +256,16 @@ def _positive(text: str | None, default: float) -> float:
 
 
 class RequestSpans:
-    """Builds finished requests' spans and exports them in batches (an async context manager)."""
+    """Builds finished requests' spans and exports them in batches (an async context manager).
 
-    def __init__(self, settings: ExportSettings, rng: random.Random | None = None) -> None:
+    ``sampler`` says which requests have spans (``gateway.tracing.start_trace`` asks it).
+    """
+
+    def __init__(
+        self, settings: ExportSettings, sampler: Sampler | None = None, rng: random.Random | None = None
+    ) -> None:
         self.settings = settings
+        self.sampler = sampler or Sampler.named(DEFAULT_SAMPLER)
         self._rng = rng or random.Random()
         self._queue: list[dict[str, Any]] = []
         self._wake = asyncio.Event()
@@ -277,7 +285,7 @@ class RequestSpans:
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> RequestSpans | None:
         settings = ExportSettings.from_environment(environ)
-        return None if settings is None else cls(settings)
+        return None if settings is None else cls(settings, Sampler.from_environment(environ))
 
     def emit(self, trace: TraceContext, timeline: Timeline, outcome: Outcome, now: float) -> None:
         """Queue the request's spans (dropped when the queue is full or the trace unsampled)."""

@@ -6,6 +6,10 @@ sampling flag; anything else (absent, malformed, version ``ff``) starts a new tr
 gateway's own span gets a fresh id, and is the parent the replica sees. ``tracestate`` is
 forwarded untouched with a valid ``traceparent``, dropped with an invalid one (the spec's
 rule). Ids come from the ``random.Random`` passed in.
+
+The sampled flag sent on is the gateway's decision when it records spans (the ``Sampler``
+passed in; with a parent-based one, the caller's flag); with tracing off the caller's flags
+pass on unchanged and a trace the gateway starts is not sampled.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+
+from gateway.sampling import Sampler
 
 # Flags of a trace the gateway starts: "sampled" only when it records spans itself.
 SAMPLED, NOT_SAMPLED = "01", "00"
@@ -65,13 +71,20 @@ def parse_traceparent(value: str | None) -> tuple[str, str, str] | None:
 
 
 def start_trace(
-    traceparent: str | None, tracestate: str | None, rng: random.Random, *, sample_new: bool
+    traceparent: str | None, tracestate: str | None, rng: random.Random, sampler: Sampler | None
 ) -> TraceContext:
-    """The request's trace context: the client's trace continued, or a new one."""
+    """The request's trace context: the client's trace continued, or a new one; sampled as
+    ``sampler`` decides (None: tracing off, the gateway records no spans)."""
     span_id = f"{rng.getrandbits(64) or 1:016x}"
     parsed = parse_traceparent(traceparent)
     if parsed is not None:
         trace_id, parent_id, flags = parsed
+        if sampler is not None:
+            bits = int(flags, 16)
+            parent_sampled = bits & 1 == 1
+            if sampler.sample(trace_id, parent_sampled) != parent_sampled:
+                flags = f"{bits ^ 1:02x}"  # only the sampled bit changes; the others pass on
         return TraceContext(trace_id, span_id, parent_id, flags, tracestate or None)
     trace_id = f"{rng.getrandbits(128) or 1:032x}"
-    return TraceContext(trace_id, span_id, None, SAMPLED if sample_new else NOT_SAMPLED)
+    sampled = sampler is not None and sampler.sample(trace_id, None)
+    return TraceContext(trace_id, span_id, None, SAMPLED if sampled else NOT_SAMPLED)

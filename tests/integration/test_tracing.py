@@ -129,3 +129,49 @@ async def test_spans_per_request_stage_and_attempt_reach_the_collector(
         assert all(s["parentSpanId"] in server_ids and s["kind"] == KIND_INTERNAL for s in by_name[stage])
     forwarded = {h["traceparent"].split("-")[2] for h in seen.headers if "traceparent" in h}
     assert forwarded == server_ids
+
+
+@pytest.mark.parametrize(
+    ("sampler", "flags", "recorded"),
+    [
+        ({}, "00", False),  # parentbased_always_on (the default): the caller said no
+        ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, "00", False),
+        ({"OTEL_TRACES_SAMPLER": "always_off"}, "01", False),
+        ({"OTEL_TRACES_SAMPLER": "always_on"}, "00", True),
+    ],
+)
+async def test_an_unsampled_request_has_no_spans_but_its_trace_goes_upstream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sampler: dict[str, str], flags: str, recorded: bool
+) -> None:
+    async with otlp_collector() as (collector, spans), openai_upstream("m") as (up, seen):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+        for name, value in sampler.items():
+            monkeypatch.setenv(name, value)
+        config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
+        async with in_process_gateway(config, tmp_path) as (url, gw, access):
+            assert gw.spans is not None
+            r = await chat(url, traceparent=f"00-{TRACE_ID}-{CLIENT_SPAN}-{flags}", tracestate="vendor=x")
+            assert r.status_code == 200
+            # Then a request sampled under every one of these samplers but always_off, whose
+            # spans arriving means the first request's would have arrived before them.
+            other = "0af7651916cd43dd8448eb211c80319c"
+            assert (await chat(url, traceparent=f"00-{other}-{CLIENT_SPAN}-01")).status_code == 200
+            gw.access_log.flush()
+            first = access_lines(access)[-2]
+            async with asyncio.timeout(30):
+                while sampler.get("OTEL_TRACES_SAMPLER") != "always_off" and not any(  # noqa: ASYNC110
+                    s["traceId"] == other for s in spans
+                ):
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+    mine = [s for s in spans if s["traceId"] == TRACE_ID]
+    assert bool(mine) is recorded
+    if recorded:
+        assert {s["spanId"] for s in mine if s["kind"] == KIND_SERVER} == {first["span_id"]}
+    # Propagated either way: the client's trace, the gateway's span as parent, the decision
+    # in the sampled flag, and the client's tracestate.
+    forwarded = [h for h in seen.headers if TRACE_ID in h.get("traceparent", "")]
+    assert len(forwarded) == 1
+    assert forwarded[0]["traceparent"] == f"00-{TRACE_ID}-{first['span_id']}-{'01' if recorded else '00'}"
+    assert forwarded[0]["tracestate"] == "vendor=x"

@@ -6,13 +6,14 @@ import random
 
 import pytest
 
+from gateway.sampling import Sampler
 from gateway.tracing import parse_traceparent, start_trace
 
 VALID = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def test_a_valid_header_is_continued_with_the_gateways_own_span() -> None:
-    trace = start_trace(VALID, "vendor=abc", random.Random(1), sample_new=False)
+    trace = start_trace(VALID, "vendor=abc", random.Random(1), None)
     assert trace.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"
     assert trace.parent_id == "00f067aa0ba902b7"
     assert trace.span_id != trace.parent_id and len(trace.span_id) == 16
@@ -25,8 +26,8 @@ def test_a_valid_header_is_continued_with_the_gateways_own_span() -> None:
 
 def test_a_new_trace_when_absent_or_invalid() -> None:
     rng = random.Random(7)
-    first = start_trace(None, "vendor=abc", rng, sample_new=False)
-    second = start_trace("garbage", None, rng, sample_new=True)
+    first = start_trace(None, "vendor=abc", rng, None)
+    second = start_trace("garbage", None, rng, Sampler.named("always_on"))
     assert first.parent_id is None and len(first.trace_id) == 32 and first.trace_id != second.trace_id
     assert first.flags == "00" and second.flags == "01"
     # tracestate without a valid traceparent is dropped (the spec's rule)
