@@ -113,7 +113,7 @@ class Gateway:
         # Trace and span ids (gateway.tracing): its own stream, so routing's stays as it was.
         self.trace_rng = random.Random()
         # OpenTelemetry spans: None (off, the default) unless an OTLP endpoint is configured.
-        self.spans = RequestSpans.from_environment(os.environ)
+        self.spans = RequestSpans.from_environment(os.environ, stage_spans=settings.tracing.stage_spans)
         self.accounting = Accounting(
             self.metrics, self.access_log, self.limiter, self.spans, clock, log_prompts=settings.server.log_prompts
         )

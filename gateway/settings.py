@@ -102,6 +102,15 @@ class AutoscalingSettings(_Frozen):
         return self.per_model.get(model, self.target_pending_tokens)
 
 
+class TracingSettings(_Frozen):
+    """What the OpenTelemetry spans hold (whether there are any, where they go and which
+    requests are sampled: the standard ``OTEL_*`` variables, docs/operations.md)."""
+
+    # Each stage's time is always an attribute of the request's server span; true adds a
+    # child span per stage too (about three times the spans to export, store and pay for).
+    stage_spans: bool = False
+
+
 class UpstreamSettings(_Frozen):
     connect_timeout_s: float = Field(2.0, gt=0)
     # Until the first token (prefill under load can be slow).
@@ -204,6 +213,7 @@ class Settings(BaseSettings):
     limits: LimitsServiceSettings = LimitsServiceSettings()
     routing: RoutingSettings = RoutingSettings()
     autoscaling: AutoscalingSettings = AutoscalingSettings()
+    tracing: TracingSettings = TracingSettings()
     # Unset: limits and caches live in this process's memory. redis://, rediss://,
     # redis+cluster://h:p[,h:p...] or redis+sentinel://h:p[,h:p...]/service (redisconn.target).
     redis_url: str | None = None

@@ -1,42 +1,51 @@
 """OpenTelemetry spans per request and per upstream attempt, exported over OTLP/HTTP (JSON).
 
 Off unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is
-set; then every request the sampler (``gateway.sampling``, ``OTEL_TRACES_SAMPLER``) keeps yields:
+set; then every request the sampler (``gateway.sampling``) keeps yields:
 
 - a server span ``{operation} {model}`` (``chat``, ``text_completion`` or ``embeddings``)
-  whose id is the one the ``traceparent`` sent upstream carries, child of the client's span;
-- one internal span per stage: ``auth``, ``parse`` (with classification), ``limits``,
-  ``cache`` (when some tenant uses the cache), ``queue``;
+  whose id is the one the ``traceparent`` sent upstream carries, child of the client's span,
+  with each stage's time as an attribute (``fleetgate.auth_us``, ``parse_us`` (with
+  classification), ``limits_us``, ``cache_us`` (when some tenant uses the cache), ``queue_us``);
 - one client span per upstream attempt, ``{operation} {served model}``, with the replica's
-  address (an attempt followed by another is marked failed).
+  address (an attempt followed by another is marked failed);
+- with ``tracing.stage_spans``, one internal span per stage as well.
+
+The stages are attributes, not spans, by default: a span per stage more than triples the
+spans to build, export, store and pay for, for timings an attribute carries as well.
 
 Attribute names follow OpenTelemetry's GenAI semantic conventions:
 https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/
 
 Why not the OpenTelemetry SDK: measured here (bench/results/tracing-overhead.md), building
 its span objects and encoding them to protobuf cost ~100-200 µs per request, a third to a
-half of the gateway's requests/s with every request sampled. Spans here are plain dicts in
-OTLP's JSON encoding (https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding),
-serialised in batches by orjson and posted from the event loop, at a fraction of that; no
-dependency is needed. The request path only notes times on a ``Timeline`` (nothing when
-off); spans are built after the response. The queue is bounded: when the collector is
-slow or gone, spans are dropped (and counted), requests are never held up.
+half of the gateway's requests/s with every request sampled. Here the request path only
+notes times on a ``Timeline`` (nothing when off or not sampled) and queues the finished
+request; its spans are written as OTLP JSON text
+(https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding) from templates when its
+batch is exported, and posted from the event loop; no dependency is needed. The queue is
+bounded: when the collector is slow or gone, spans are dropped (and counted), requests are
+never held up.
 
 Standard variables read: the endpoint ones above, ``OTEL_EXPORTER_OTLP[_TRACES]_HEADERS``,
 ``OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT``, ``OTEL_SERVICE_NAME``, ``OTEL_BSP_SCHEDULE_DELAY``,
-``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``.
+``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``, and the sampler's
+``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
 import random
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 import aiohttp
@@ -53,7 +62,7 @@ OPERATIONS = {"chat": "chat", "completions": "text_completion", "embeddings": "e
 # OTLP's SpanKind and StatusCode values.
 KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3
 STATUS_ERROR = 2
-_ERROR = {"code": STATUS_ERROR}
+_ERROR = f',"status":{{"code":{STATUS_ERROR}}}'
 
 
 @dataclass(slots=True)
@@ -86,50 +95,120 @@ class Timeline:
         self.attempts.append(Attempt(replica, url, served_model, now))
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What the access log knows of a finished request, for the spans' attributes."""
 
     endpoint: str
     model: str | None
     status: int
     error_code: str | None
-    attributes: Mapping[str, Any]
+    # (name, value) pairs; a None value is left out of the span.
+    attributes: tuple[tuple[str, object], ...]
 
     @classmethod
     def from_access_entry(cls, entry: Mapping[str, Any], asked: Mapping[str, Any] | None) -> Outcome:
         """From the request's access-log line and, once parsed, its body (``asked``)."""
-        attrs: dict[str, Any] = {
-            "gen_ai.response.model": entry.get("model"),
-            "gen_ai.usage.input_tokens": entry.get("prompt_tokens"),
-            "gen_ai.usage.output_tokens": entry.get("completion_tokens"),
-            "fleetgate.request_id": entry.get("request_id"),
-            "fleetgate.tenant": entry.get("tenant"),
-            "fleetgate.replica": entry.get("replica"),
-            "fleetgate.attempts": entry.get("attempts"),
-        }
+        get = entry.get
+        attrs: tuple[tuple[str, object], ...] = (
+            ("gen_ai.response.model", get("model")),
+            ("gen_ai.usage.input_tokens", get("prompt_tokens")),
+            ("gen_ai.usage.output_tokens", get("completion_tokens")),
+            ("fleetgate.request_id", get("request_id")),
+            ("fleetgate.tenant", get("tenant")),
+            ("fleetgate.replica", get("replica")),
+            ("fleetgate.attempts", get("attempts")),
+        )
         if asked is not None:
             model = asked.get("model")
-            attrs["gen_ai.request.model"] = model if isinstance(model, str) else None
             tokens = asked.get("max_completion_tokens") or asked.get("max_tokens")
-            attrs["gen_ai.request.max_tokens"] = tokens if isinstance(tokens, int) else None
             n = asked.get("n")
-            attrs["gen_ai.request.choice.count"] = n if isinstance(n, int) and n > 1 else None
-        return cls(str(entry.get("endpoint")), entry.get("model"), int(entry["status"]), entry.get("error"), attrs)
+            attrs += (
+                ("gen_ai.request.model", model if isinstance(model, str) else None),
+                ("gen_ai.request.max_tokens", tokens if isinstance(tokens, int) else None),
+                ("gen_ai.request.choice.count", n if isinstance(n, int) and n > 1 else None),
+            )
+        return cls(str(get("endpoint")), get("model"), int(entry["status"]), get("error"), attrs)
 
 
-def _value(v: Any) -> dict[str, Any]:
-    if isinstance(v, bool):
-        return {"boolValue": v}
-    if isinstance(v, int):
-        return {"intValue": v}
-    if isinstance(v, float):
-        return {"doubleValue": v}
-    return {"stringValue": str(v)}
+def _string(text: str) -> str:
+    """``text`` as a JSON string literal, quoted and escaped."""
+    return orjson.dumps(text).decode()
 
 
-def _attributes(attrs: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [{"key": k, "value": _value(v)} for k, v in attrs.items() if v is not None]
+@functools.lru_cache(maxsize=1024)
+def _string_attribute(key: str, value: str) -> str:
+    """A string attribute in JSON. Remembered: most values (operation, models, tenant,
+    replica, address) recur on every request, and a lookup costs less than escaping."""
+    return f'{{"key":"{key}","value":{{"stringValue":{_string(value)}}}}}'
+
+
+def _attributes(attrs: Iterable[tuple[str, object]]) -> str:
+    """OTLP ``KeyValue`` objects, comma-separated; an attribute whose value is None is left
+    out. Keys are this module's constants (plain ASCII, nothing to escape)."""
+    parts = []
+    for key, v in attrs:
+        if v is None:
+            continue
+        if isinstance(v, str):
+            parts.append(_string_attribute(key, v))
+        elif isinstance(v, bool):
+            parts.append(f'{{"key":"{key}","value":{{"boolValue":{"true" if v else "false"}}}}}')
+        elif isinstance(v, int):
+            parts.append(f'{{"key":"{key}","value":{{"intValue":{int(v)}}}}}')
+        elif isinstance(v, float) and math.isfinite(v):
+            parts.append(f'{{"key":"{key}","value":{{"doubleValue":{v!r}}}}}')
+        else:
+            parts.append(_string_attribute(key, str(v)))
+    return ",".join(parts)
+
+
+def _span(
+    trace_id: str,
+    span_id: str,
+    parent_id: str | None,
+    name: str,
+    kind: int,
+    start_ns: int,
+    end_ns: int,
+    attributes: str = "",
+    failed: bool = False,
+) -> str:
+    """One OTLP ``Span`` object in JSON (ids are validated or generated lowercase hex)."""
+    parent = f',"parentSpanId":"{parent_id}"' if parent_id else ""
+    attrs = f',"attributes":[{attributes}]' if attributes else ""
+    status = _ERROR if failed else ""
+    return (
+        f'{{"traceId":"{trace_id}","spanId":"{span_id}"{parent},"name":{_string(name)},"kind":{kind},'
+        f'"startTimeUnixNano":{start_ns},"endTimeUnixNano":{end_ns}{attrs}{status}}}'
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _attempt_attributes(operation: str, replica: str, url: str, served_model: str) -> str:
+    """An attempt span's attributes but ``error.type``: the same for every attempt on one
+    replica, so written once."""
+    host, _, port = url.partition("://")[2].partition("/")[0].rpartition(":")
+    return _attributes(
+        (
+            ("gen_ai.operation.name", operation),
+            ("gen_ai.request.model", served_model),
+            ("server.address", host or port),
+            ("server.port", int(port) if host and port.isdigit() else None),
+            ("fleetgate.replica", replica),
+        )
+    )
+
+
+# An attempt followed by another (after at least one other attribute).
+_ATTEMPT_FAILED = ',{"key":"error.type","value":{"stringValue":"attempt_failed"}}'
+# A stage's time, an attribute of the server span, after at least one other attribute.
+_STAGE_ATTRIBUTE = ',{"key":"fleetgate.%s_us","value":{"intValue":%d}}'  # %d truncates to whole µs
+# A stage's span: the one kind with no attributes, written from one template (the stage
+# names are ``Timeline.mark``'s callers' identifiers: nothing to escape).
+_STAGE_SPAN = (
+    f'{{"traceId":"%s","spanId":"%016x","parentSpanId":"%s","name":"%s","kind":{KIND_INTERNAL},'
+    '"startTimeUnixNano":%d,"endTimeUnixNano":%d}'
+)
 
 
 def build_spans(
@@ -139,8 +218,16 @@ def build_spans(
     now: float,
     wall_ns: int,
     rng: random.Random,
-) -> list[dict[str, Any]]:
-    """The request's spans in OTLP JSON; ``wall_ns`` is the epoch time at gateway time ``now``."""
+    *,
+    stage_spans: bool = False,
+) -> list[str]:
+    """The request's spans, each an OTLP JSON object; ``wall_ns`` is the epoch time at gateway
+    time ``now``. Each stage's time is an attribute of the server span (``fleetgate.<stage>_us``,
+    whole microseconds), and with ``stage_spans`` a child span too.
+
+    Written straight as JSON text from templates: nested dicts for a serialiser cost more to
+    build, to encode and to free on the event loop (bench/results/tracing-overhead.md).
+    """
     offset = wall_ns - int(now * 1e9)
     tid = trace.trace_id
     root = trace.span_id
@@ -149,61 +236,53 @@ def build_spans(
     def ns(t: float) -> int:
         return int(t * 1e9) + offset
 
-    attrs: dict[str, Any] = {"gen_ai.operation.name": operation, "http.response.status_code": outcome.status}
-    attrs.update(outcome.attributes)
-    if outcome.error_code:
-        attrs["error.type"] = outcome.error_code
-    server: dict[str, Any] = {
-        "traceId": tid,
-        "spanId": root,
-        "name": f"{operation} {outcome.model}" if outcome.model else operation,
-        "kind": KIND_SERVER,
-        "startTimeUnixNano": ns(timeline.started),
-        "endTimeUnixNano": ns(now),
-        "attributes": _attributes(attrs),
-    }
-    if trace.parent_id:
-        server["parentSpanId"] = trace.parent_id
-    if outcome.status >= 500:
-        server["status"] = _ERROR
-    spans = [server]
+    attrs = _attributes(
+        (
+            ("gen_ai.operation.name", operation),
+            ("http.response.status_code", outcome.status),
+            *outcome.attributes,
+            ("error.type", outcome.error_code or None),
+        )
+    )
     begin = timeline.started
     for stage, end in timeline.stages:
-        spans.append(
-            {
-                "traceId": tid,
-                "spanId": f"{rng.getrandbits(64) or 1:016x}",
-                "parentSpanId": root,
-                "name": stage,
-                "kind": KIND_INTERNAL,
-                "startTimeUnixNano": ns(begin),
-                "endTimeUnixNano": ns(end),
-            }
-        )
+        attrs += _STAGE_ATTRIBUTE % (stage, (end - begin) * 1e6)
         begin = end
+    name = f"{operation} {outcome.model}" if outcome.model else operation
+    spans = [
+        _span(
+            tid,
+            root,
+            trace.parent_id,
+            name,
+            KIND_SERVER,
+            ns(timeline.started),
+            ns(now),
+            attrs,
+            failed=outcome.status >= 500,
+        )
+    ]
+    if stage_spans:
+        begin = timeline.started
+        for stage, end in timeline.stages:
+            ids = (tid, rng.getrandbits(64) or 1, root, stage)
+            spans.append(_STAGE_SPAN % (*ids, int(begin * 1e9) + offset, int(end * 1e9) + offset))
+            begin = end
     for attempt in timeline.attempts:
-        host, _, port = attempt.url.partition("://")[2].partition("/")[0].rpartition(":")
-        attempt_attrs: dict[str, Any] = {
-            "gen_ai.operation.name": operation,
-            "gen_ai.request.model": attempt.served_model,
-            "server.address": host or port,
-            "server.port": int(port) if host and port.isdigit() else None,
-            "fleetgate.replica": attempt.replica,
-            "error.type": "attempt_failed" if attempt.failed else None,
-        }
-        span: dict[str, Any] = {
-            "traceId": tid,
-            "spanId": f"{rng.getrandbits(64) or 1:016x}",
-            "parentSpanId": root,
-            "name": f"{operation} {attempt.served_model}",
-            "kind": KIND_CLIENT,
-            "startTimeUnixNano": ns(attempt.start),
-            "endTimeUnixNano": ns(attempt.end if attempt.end is not None else now),
-            "attributes": _attributes(attempt_attrs),
-        }
-        if attempt.failed:
-            span["status"] = _ERROR
-        spans.append(span)
+        attrs = _attempt_attributes(operation, attempt.replica, attempt.url, attempt.served_model)
+        spans.append(
+            _span(
+                tid,
+                f"{rng.getrandbits(64) or 1:016x}",
+                root,
+                f"{operation} {attempt.served_model}",
+                KIND_CLIENT,
+                ns(attempt.start),
+                ns(attempt.end if attempt.end is not None else now),
+                attrs + _ATTEMPT_FAILED if attempt.failed else attrs,
+                failed=attempt.failed,
+            )
+        )
     return spans
 
 
@@ -256,49 +335,76 @@ def _positive(text: str | None, default: float) -> float:
 
 
 class RequestSpans:
-    """Builds finished requests' spans and exports them in batches (an async context manager).
+    """Queues finished requests and exports their spans in batches (an async context manager).
 
-    ``sampler`` says which requests have spans (``gateway.tracing.start_trace`` asks it).
+    ``sampler`` says which requests have spans (``gateway.tracing.start_trace`` asks it);
+    ``stage_spans`` adds a child span per stage to each request's server and attempt spans.
+    A request's spans are written as JSON text when it finishes and queued as one string:
+    keeping the request's objects instead, to write them in batches at export time, measured
+    slower (bench/results/tracing-overhead.md).
     """
 
     def __init__(
-        self, settings: ExportSettings, sampler: Sampler | None = None, rng: random.Random | None = None
+        self,
+        settings: ExportSettings,
+        sampler: Sampler | None = None,
+        rng: random.Random | None = None,
+        *,
+        stage_spans: bool = False,
     ) -> None:
         self.settings = settings
+        self.stage_spans = stage_spans
         self.sampler = sampler or Sampler.named(DEFAULT_SAMPLER)
         self._rng = rng or random.Random()
-        self._queue: list[dict[str, Any]] = []
+        # Each finished request's spans as one JSON text (comma-separated), with their count.
+        self._queue: deque[tuple[str, int]] = deque()
+        self.queued = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self.dropped = 0
         self.exported = 0
         self.failed_exports = 0
-        resource = {"attributes": _attributes({"service.name": settings.service_name})}
         # Everything of an export request around its spans, serialised once.
+        resource = _attributes((("service.name", settings.service_name),))
         self._envelope = (
-            b'{"resourceSpans":[{"resource":'
-            + orjson.dumps(resource)
-            + b',"scopeSpans":[{"scope":{"name":"fleetgate"},"spans":'
-        )
+            f'{{"resourceSpans":[{{"resource":{{"attributes":[{resource}]}},'
+            '"scopeSpans":[{"scope":{"name":"fleetgate"},"spans":['
+        ).encode()
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str]) -> RequestSpans | None:
+    def from_environment(cls, environ: Mapping[str, str], *, stage_spans: bool = False) -> RequestSpans | None:
+        """None (tracing off) unless an OTLP endpoint is set."""
         settings = ExportSettings.from_environment(environ)
-        return None if settings is None else cls(settings, Sampler.from_environment(environ))
+        if settings is None:
+            return None
+        return cls(settings, Sampler.from_environment(environ), stage_spans=stage_spans)
 
     def emit(self, trace: TraceContext, timeline: Timeline, outcome: Outcome, now: float) -> None:
         """Queue the request's spans (dropped when the queue is full or the trace unsampled)."""
         if not trace.sampled:
             return
-        spans = build_spans(trace, timeline, outcome, now, time.time_ns(), self._rng)
-        room = self.settings.max_queue - len(self._queue)
-        if room < len(spans):
-            self.dropped += len(spans)
+        count = 1 + len(timeline.attempts) + (len(timeline.stages) if self.stage_spans else 0)
+        if self.queued + count > self.settings.max_queue:
+            self.dropped += count
             return
-        self._queue.extend(spans)
-        if len(self._queue) >= self.settings.batch:
+        spans = build_spans(trace, timeline, outcome, now, time.time_ns(), self._rng, stage_spans=self.stage_spans)
+        self._queue.append((",".join(spans), count))
+        self.queued += count
+        if self.queued >= self.settings.batch:
             self._wake.set()
+
+    def take_batch(self) -> tuple[bytes, int]:
+        """The next export request's body, up to ``batch`` spans (a request's spans are never
+        split over two), and how many spans it holds."""
+        texts: list[str] = []
+        count = 0
+        while self._queue and (not texts or count + self._queue[0][1] <= self.settings.batch):
+            text, n = self._queue.popleft()
+            texts.append(text)
+            count += n
+        self.queued -= count
+        return b"".join((self._envelope, ",".join(texts).encode(), b"]}]}]}")), count
 
     async def __aenter__(self) -> RequestSpans:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.timeout_s))
@@ -317,17 +423,22 @@ class RequestSpans:
             log.warning("spans dropped: the collector did not keep up", extra={"spans": self.dropped})
 
     async def _run(self) -> None:
+        """Export full batches as they fill, and what is left each time the delay passes
+        without one (OpenTelemetry's batch span processor)."""
         while True:
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(self.settings.delay_s):
                     await self._wake.wait()
+                partial_too = False
+            except TimeoutError:
+                partial_too = True
             self._wake.clear()
-            while self._queue:
+            while self.queued >= self.settings.batch or (partial_too and self._queue):
                 await self._export()
 
     async def _export(self) -> None:
-        batch, self._queue = self._queue[: self.settings.batch], self._queue[self.settings.batch :]
-        body = self._envelope + orjson.dumps(batch) + b"}]}]}"
+        """Post the next batch of queued spans."""
+        body, count = self.take_batch()
         assert self._session is not None
         try:
             headers = {**self.settings.headers, "Content-Type": "application/json"}
@@ -338,7 +449,7 @@ class RequestSpans:
             ok = False
             log.debug("span export failed", extra={"error": str(exc)})
         if ok:
-            self.exported += len(batch)
+            self.exported += count
         else:
             self.failed_exports += 1
-            self.dropped += len(batch)
+            self.dropped += count

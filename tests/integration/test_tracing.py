@@ -87,6 +87,7 @@ async def test_spans_per_request_stage_and_attempt_reach_the_collector(
         config = {
             "models": [{"name": "m", "replicas": [{"url": dead, "probe": "none"}, {"url": up}]}],
             "routing": {"policy": "round_robin"},
+            "tracing": {"stage_spans": True},
         }
         async with in_process_gateway(config, tmp_path) as (url, gw, access):
             assert gw.spans is not None
@@ -129,6 +130,31 @@ async def test_spans_per_request_stage_and_attempt_reach_the_collector(
         assert all(s["parentSpanId"] in server_ids and s["kind"] == KIND_INTERNAL for s in by_name[stage])
     forwarded = {h["traceparent"].split("-")[2] for h in seen.headers if "traceparent" in h}
     assert forwarded == server_ids
+
+
+async def test_by_default_one_server_span_with_stage_times_and_one_span_per_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with otlp_collector() as (collector, spans), openai_upstream("m") as (up, _):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+        config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
+        async with in_process_gateway(config, tmp_path) as (url, gw, access):
+            assert (await chat(url, traceparent=f"00-{TRACE_ID}-{CLIENT_SPAN}-01")).status_code == 200
+            gw.access_log.flush()
+            (line,) = access_lines(access)[-1:]
+            async with asyncio.timeout(30):
+                while len(spans) < 2:  # noqa: ASYNC110 - the exporter posts them in the background
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # nothing more comes
+    server, attempt = sorted(spans, key=lambda s: s["kind"])
+    assert (server["kind"], attempt["kind"]) == (KIND_SERVER, KIND_CLIENT)
+    assert server["spanId"] == line["span_id"] and attempt["parentSpanId"] == server["spanId"]
+    attrs = {a["key"]: a["value"] for a in server["attributes"]}
+    stage_us = [int(attrs[f"fleetgate.{stage}_us"]["intValue"]) for stage in ("auth", "parse", "limits", "queue")]
+    assert all(us >= 0 for us in stage_us)
+    # The stages tile the start of the request: together no longer than the whole of it.
+    assert sum(stage_us) * 1000 <= int(server["endTimeUnixNano"]) - int(server["startTimeUnixNano"])
 
 
 @pytest.mark.parametrize(

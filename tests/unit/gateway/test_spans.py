@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import orjson
+
 from gateway.spans import (
     KIND_CLIENT,
     KIND_INTERNAL,
@@ -16,12 +18,13 @@ from gateway.spans import (
 )
 from gateway.tracing import TraceContext
 
+STAGES = ("auth", "parse", "limits", "cache", "queue")
 TRACE = TraceContext("4bf92f3577b34da6a3ce929d0e0e4736", "1111111111111111", "00f067aa0ba902b7", "01")
 
 
 def timeline() -> Timeline:
     t = Timeline(10.0)
-    for i, stage in enumerate(("auth", "parse", "limits", "cache", "queue")):
+    for i, stage in enumerate(STAGES):
         t.mark(stage, 10.0 + (i + 1) * 0.001)
     t.attempt("m-0", "http://10.0.0.1:8000", "served", 10.006)
     t.attempt("m-1", "http://[::1]:8001", "served", 10.010)
@@ -33,7 +36,10 @@ def test_spans_of_a_request_with_a_retried_attempt() -> None:
     entry = {"endpoint": "chat", "model": "m", "status": 200, "request_id": "r1", "attempts": 2, "completion_tokens": 9}
     outcome = Outcome.from_access_entry(entry, {"model": "m", "max_tokens": 16, "n": 2})
     # gateway time 10.060 is epoch 1_000_000_000.060 s: every time shifts by the same offset
-    spans = build_spans(TRACE, timeline(), outcome, 10.060, 1_000_000_000_060_000_000, random.Random(1))
+    texts = build_spans(
+        TRACE, timeline(), outcome, 10.060, 1_000_000_000_060_000_000, random.Random(1), stage_spans=True
+    )
+    spans = [orjson.loads(text) for text in texts]
     server, *stages, first, second = spans
     assert server["spanId"] == "1111111111111111" and server["parentSpanId"] == "00f067aa0ba902b7"
     assert (server["name"], server["kind"]) == ("chat m", KIND_SERVER)
@@ -74,10 +80,33 @@ def test_export_settings_from_the_standard_variables() -> None:
 
 
 def test_the_queue_is_bounded_and_unsampled_traces_are_not_queued() -> None:
-    spans = RequestSpans(ExportSettings(url="http://c/v1/traces", headers={}, max_queue=10))
+    spans = RequestSpans(ExportSettings(url="http://c/v1/traces", headers={}, max_queue=10), stage_spans=True)
     outcome = Outcome.from_access_entry({"endpoint": "chat", "model": "m", "status": 200}, None)
     spans.emit(TRACE, timeline(), outcome, 11.0)  # 1 + 5 + 2 = 8 spans
     spans.emit(TRACE, timeline(), outcome, 11.0)  # 8 more do not fit in 10: dropped whole
     unsampled = TraceContext(TRACE.trace_id, TRACE.span_id, None, "00")
     spans.emit(unsampled, timeline(), outcome, 11.0)
-    assert (len(spans._queue), spans.dropped) == (8, 8)
+    assert (spans.queued, spans.dropped) == (8, 8)
+
+
+def test_by_default_stage_times_are_attributes_of_the_server_span() -> None:
+    outcome = Outcome.from_access_entry({"endpoint": "chat", "model": "m", "status": 200}, None)
+    texts = build_spans(TRACE, timeline(), outcome, 10.060, 1_000_000_000_060_000_000, random.Random(1))
+    server, first, second = (orjson.loads(text) for text in texts)
+    assert (server["kind"], first["kind"], second["kind"]) == (KIND_SERVER, KIND_CLIENT, KIND_CLIENT)
+    attrs = {a["key"]: a["value"] for a in server["attributes"]}
+    # each stage took 1 ms of the timeline (10.000 -> 10.001 -> ... -> 10.005), in whole
+    # microseconds: 1000, or 999 when the float difference falls just short
+    assert all(999 <= attrs[f"fleetgate.{stage}_us"]["intValue"] <= 1000 for stage in STAGES)
+
+
+def test_queued_spans_count_what_will_be_exported() -> None:
+    spans = RequestSpans(ExportSettings(url="http://c/v1/traces", headers={}, max_queue=10, batch=4))
+    outcome = Outcome.from_access_entry({"endpoint": "chat", "model": "m", "status": 200}, None)
+    for _ in range(4):
+        spans.emit(TRACE, timeline(), outcome, 11.0)  # 1 server + 2 attempts = 3 spans each
+    assert (spans.queued, spans.dropped) == (9, 3)
+    body, count = spans.take_batch()  # requests are not split: 3 spans, then 3 more would pass 4
+    export = orjson.loads(body)
+    (scope,) = export["resourceSpans"][0]["scopeSpans"]
+    assert count == len(scope["spans"]) == 3 and spans.queued == 6
