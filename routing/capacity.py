@@ -69,8 +69,11 @@ class Capacity:
         """Prompt tokens ``replica`` must compute before a request sent now starts its own prefill."""
         return replica.prefill_tokens + self.load.tokens_per_request * replica.foreign_waiting
 
-    def slots(self, replica: Replica) -> int:
-        """Requests ``replica`` can still take before it is at capacity (0: full)."""
+    def slots(self, replica: Replica, prefill: bool = True) -> int:
+        """Requests ``replica`` can still take before it is at capacity (0: full).
+
+        ``prefill=False``: under the hard limits alone, the prefill bound left out.
+        """
         free = UNBOUNDED
         if self.max_requests is not None:
             free = self.max_requests - int(self.load.requests(replica))
@@ -82,7 +85,7 @@ class Capacity:
                 return 0
             per_request = max(1, self.load.tokens_per_request)
             free = min(free, math.ceil(room / per_request))
-        if self.max_prefill_tokens is not None:
+        if prefill and self.max_prefill_tokens is not None:
             if self.prefill_backlog(replica) >= self.max_prefill_tokens:
                 return 0
             free = min(free, 1)

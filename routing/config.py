@@ -9,7 +9,7 @@ Example::
         - {name: small, min_score: 0.0, max_score: 0.3}
         - {name: medium, min_score: 0.3, max_score: 0.55}
         - {name: large, min_score: 0.55, max_score: 1.0}
-      affinity: {factor: 1.25, margin_requests: 8, anchor_blocks: 4}
+      affinity: {factor: 1.25, margin_requests: 4, anchor_blocks: 4}
       capacity: {max_requests: 256, max_prefill_tokens: 4096}  # per replica, unless models[].capacity says otherwise
       retry_budget: {ratio: 0.2, min_per_s: 1, burst: 10}
       queue: {max_queue_length: 256, max_wait_s: {high: 30, normal: 10, low: 2}}
@@ -61,7 +61,7 @@ class AffinitySettings(_Frozen):
     # factor * (pool's requests + 1) / replicas + margin_requests; past that, the next
     # replica in the prefix's hash order does (routing.policies.LoadBound).
     factor: float = Field(1.25, ge=1.0)
-    margin_requests: int = Field(8, ge=0)
+    margin_requests: int = Field(4, ge=0)
     # Prompts are placed by the hash of their first anchor_blocks blocks (shorter prompts:
     # the least busy replica).
     anchor_blocks: int = Field(4, ge=1)

@@ -88,7 +88,13 @@ class Decision:
 
 
 class Policy(Protocol):
-    """A replica-choice policy."""
+    """A replica-choice policy.
+
+    ``keeps_prefixes``: whether the policy places prompts where their prefix is cached, so
+    that the pool, diverting its requests away from full replicas, must count the caches.
+    """
+
+    keeps_prefixes: bool
 
     def pick(
         self, replicas: Sequence[Replica], request: RouteRequest, now: float, exclude: Collection[str] = ()
@@ -141,6 +147,8 @@ def _candidates(replicas: Sequence[Replica], now: float, exclude: Collection[str
 class RoundRobin:
     """Each routable replica in turn (baseline). Owns its counter."""
 
+    keeps_prefixes = False
+
     def __init__(self) -> None:
         self._next = 0
 
@@ -162,6 +170,8 @@ class RoundRobin:
 class LeastRequests:
     """Fewest in-flight requests from this gateway (baseline); ties at random."""
 
+    keeps_prefixes = False
+
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
@@ -176,6 +186,8 @@ class LeastRequests:
 
 class LeastOutstandingTokens:
     """Lowest ``LoadModel.effective_load``; ties at random."""
+
+    keeps_prefixes = False
 
     def __init__(self, rng: random.Random, load: LoadModel | None = None) -> None:
         self._rng = rng
@@ -209,7 +221,7 @@ class LoadBound:
     """
 
     factor: float = 1.25
-    margin_requests: int = 8
+    margin_requests: int = 4
 
     def allows(self, requests: float, total: float, n: int) -> bool:
         return requests + 1 <= self.factor * (total + 1) / n + self.margin_requests
@@ -239,10 +251,16 @@ class PrefixAffinity:
     pressure that is what thrashes every cache). Ranking by address rather than replica id
     keeps the order the same in pods that name the replicas differently.
 
+    A replica full for its prefill backlog (``routing.capacity``) is passed over only where
+    the first token comes sooner, the prefill of a prefix cached elsewhere counted
+    (``keeps_prefixes``, ``routing.router.Pool``).
+
     ``members`` is the pool's replica list (homes are spread over its healthy replicas,
     whichever of them a given pick may choose from); without it, the replicas passed to
     ``pick`` are the members.
     """
+
+    keeps_prefixes = True
 
     def __init__(
         self,

@@ -15,9 +15,11 @@ evicts from the old end once the replica's KV cache (``capacity_tokens``) would 
   key, and a prefix's first blocks outlive its extensions.
 
 It answers one question: how many leading blocks of a request a replica has probably
-cached (``depth``), which is the prefill the request's claim charges that replica. Routing
-itself does not read it (``routing.policies.PrefixAffinity`` places by hash, so that pods
-agree without sharing this index).
+cached (``depth``), which is the prefill the request's claim charges that replica, and
+what sending it away from a full replica would cost (``routing.router.Pool``). Placement
+does not read it
+(``routing.policies.PrefixAffinity`` places by hash, so that pods agree without sharing
+this index).
 
 An estimate, not a mirror: another gateway pod's requests fill a replica's cache this index
 never hears of, so it errs towards "still cached". With no capacity known, only the key

@@ -140,16 +140,53 @@ class Pool:
         self.index = index
 
     def pick(self, request: RouteRequest, now: float, exclude: Collection[str]) -> Decision:
-        """The policy's choice, among replicas with a free slot when some are full and others not."""
+        """The policy's choice, among replicas with a free slot when some are full and others not.
+
+        For a policy that keeps prefixes where they are cached (``Policy.keeps_prefixes``),
+        among those where the request is worth sending: see ``_worth_diverting``.
+        """
         replicas = self.replicas
         if self.capacity.bounded:
             slots = self.capacity.slots
             roomy = [r for r in replicas if slots(r) > 0]
             if roomy and len(roomy) != len(replicas):
-                decision = self.policy.pick(roomy, request, now, exclude)
-                if decision.replica is not None:
-                    return decision
+                if self.policy.keeps_prefixes:
+                    roomy = self._worth_diverting(roomy, request, now)
+                if roomy:
+                    decision = self.policy.pick(roomy, request, now, exclude)
+                    if decision.replica is not None:
+                        return decision
         return self.policy.pick(replicas, request, now, exclude)
+
+    def _worth_diverting(self, roomy: list[Replica], request: RouteRequest, now: float) -> list[Replica]:
+        """The replicas with room whose first token comes sooner than at a full one, caches counted.
+
+        A replica full only for its prefill backlog (``routing.capacity``) would start the
+        request's prefill after that backlog; one with room after its own. Elsewhere than
+        where its prefix is cached (by the pool's prefix index), the request prefills the
+        prefix again, and under KV pressure its copy evicts another prompt's prefix, whose
+        next request prefills that again: so the uncached tokens a replica adds count twice.
+        A replica with room is worth it when its backlog plus that cost is less than the
+        best full replica's backlog plus the request's own prefill there. Sent anyway, a
+        few such diversions in a hundred requests made every cache hold every prefix and
+        thrash under KV pressure (``bench/results/routing-vllm.md``); a long queue behind a
+        document still sends a short chat turn elsewhere, and a hot prefix spreads to the
+        replicas holding it. A replica full under a hard limit (requests, tokens) is no
+        option: every replica with room is.
+        """
+        index, keys = self.index, request.prefix_keys
+        if index is None or not keys:
+            return roomy
+        capacity = self.capacity
+        backlog = capacity.prefill_backlog
+        uncached = {r.id: request.uncached_tokens(index.depth(keys, r.id)) for r in self.replicas}
+        fewest = min(uncached.values())
+        names = {r.id for r in roomy}
+        full = [r for r in self.replicas if r.id not in names and r.routable(now)]
+        if not full or any(capacity.slots(r, prefill=False) <= 0 for r in full):
+            return roomy
+        wait = min(backlog(r) + uncached[r.id] for r in full)
+        return [r for r in roomy if backlog(r) + 2 * uncached[r.id] - fewest < wait]
 
 
 class Route:
