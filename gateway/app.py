@@ -26,6 +26,7 @@ from cache.coalesce import Wake
 from cache.metrics import CacheMetrics
 from cache.service import create_response_cache
 from common.breaker import BreakerConfig
+from common.idle_trim import IdleTrim, glibc_malloc_trim, release_memory, trim_when_idle
 from gateway.accounting import Accounting
 from gateway.admin import AdminApi
 from gateway.auth import KeyRing
@@ -184,6 +185,7 @@ class Gateway:
         if spans is not None and trace.sampled:  # only a sampled request notes its stages' times
             ex.timeline = Timeline(started)
         self.metrics.requests_in_flight += 1
+        self.metrics.requests_started += 1
         left = False
         try:
             reply: Reply = CONTINUE
@@ -385,14 +387,35 @@ async def _lifecycle(app: web.Application) -> Any:
         gateway.ready = True
         announce = asyncio.create_task(_announce_ready(gateway), name="announce-ready")
         lag = asyncio.create_task(watch_loop_lag(gateway.metrics.loop_lag, time.monotonic), name="loop-lag")
+        trim = _start_idle_trim(gateway)
         yield
         gateway.ready = False
         announce.cancel()
         lag.cancel()
+        if trim is not None:
+            trim.cancel()
         gateway.router.close()  # requests still queued get their 503 now, not at their deadline
         await gateway.fleet.drain_all(settings.server.shutdown_grace_s)
         await gateway.accounting.finish_background(settings.server.shutdown_grace_s)
         gateway.access_log.flush()
+
+
+def _start_idle_trim(gateway: Gateway) -> asyncio.Task[None] | None:
+    """Release memory once per idle period (``server.memory_trim_idle_s``; None: never)."""
+    idle_after_s = gateway.settings.server.memory_trim_idle_s
+    if idle_after_s is None:
+        return None
+    metrics = gateway.metrics
+    malloc_trim = glibc_malloc_trim()
+    return asyncio.create_task(
+        trim_when_idle(
+            IdleTrim(idle_after_s),
+            lambda: (metrics.requests_in_flight, metrics.requests_started),
+            lambda: release_memory(malloc_trim),
+            time.monotonic,
+        ),
+        name="idle-trim",
+    )
 
 
 async def _announce_ready(gateway: Gateway) -> None:

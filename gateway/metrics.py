@@ -130,6 +130,9 @@ class GatewayMetrics(MetricSet):
         )
         # A plain count the request path bumps without a lock; read at scrape time.
         self.requests_in_flight = 0
+        # Every request ever started: a request shorter than the idle check's interval still
+        # counts as activity (common/idle_trim.py).
+        self.requests_started = 0
         self.in_flight = Gauge("fleetgate_requests_in_flight", "Requests being served now.", registry=r)
         self.in_flight.set_function(lambda: self.requests_in_flight)
         self.overhead = LocalHistogram(

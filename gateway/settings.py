@@ -79,6 +79,10 @@ class ServerSettings(_Frozen):
     # Prompt text never reaches the logs unless an operator asks for it.
     log_prompts: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # With no request in flight for this long, run the garbage collector and glibc's
+    # malloc_trim once, so a burst's freed memory goes back to the system (common/idle_trim.py).
+    # null: never.
+    memory_trim_idle_s: float | None = Field(30.0, gt=0)
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServerSettings:
