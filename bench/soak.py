@@ -13,12 +13,17 @@ Method, all real processes on this machine:
 - this process (uvloop) holds ``--streams`` streams open at once: each worker opens a chat
   completion stream of ``--max-tokens`` tokens, reads it to ``[DONE]``, and opens the next
   one, until ``--duration`` has passed; workers start spread over ``--ramp`` seconds;
-- the gateway's resident set and open descriptors (``/proc``) are sampled every 5 s:
-  *baseline* after a warm-up of 50 streams, then with every stream open, then after
-  ``--idle`` seconds without traffic; memory per open stream is (median RSS while all
-  streams are open - baseline) / streams. With ``--rounds 2`` the load and idle phases run
-  twice: RSS after the second idle against after the first tells growth (a leak) from the
-  allocator keeping its high-water mark;
+- the gateway's resident set and open descriptors (``/proc``) are sampled every 5 s, through
+  the load and the idle phases. The *baseline* is the gateway idle after start-up and a
+  warm-up of 50 streams (every code path of a stream has run once: lazy imports, the
+  replica connection pools, the metrics' label sets), taken once the warm-up's connections
+  have closed and the gateway has been idle longer than its ``server.memory_trim_idle_s``
+  (``--trim-idle``, the default 30 s): the same state as the measure *after* ``--idle``
+  seconds without traffic, so neither is taken before the idle release and the other after
+  it. RSS right after start-up (before the warm-up) is reported too. Memory per open stream
+  is (median RSS while all streams are open - baseline) / streams. With ``--rounds 2`` the
+  load and idle phases run twice: RSS after the second idle against after the first tells
+  growth (a leak) from the allocator keeping its high-water mark;
 - the health probes' "replica down" lines and the machine's load average are reported: on
   a shared machine a starved replica can miss its probes;
 - event-loop lag: the gateway's own ``fleetgate_event_loop_lag_seconds`` histogram (a 0.1 s
@@ -79,6 +84,18 @@ class SoakConfig:
     # The gateway's health.timeout_s (its default here): a replica starved of CPU on a shared
     # machine can miss three probes in a row and be marked down.
     health_timeout_s: float = 1.0
+    # The gateway's server.memory_trim_idle_s (its default); None: no idle release.
+    memory_trim_idle_s: float | None = 30.0
+    # PYTHONMALLOC for the gateway process only ("malloc": every object from glibc's malloc,
+    # which malloc_trim can return, instead of CPython's arenas); None: CPython's default.
+    python_malloc: str | None = None
+
+    @property
+    def settle_s(self) -> float:
+        """Idle time before the baseline: the warm-up's replica connections have closed and the
+        idle release (if any) has had its chance, as it has by the end of an idle phase."""
+        trim = 0.0 if self.memory_trim_idle_s is None else self.memory_trim_idle_s + 3.0
+        return max(2.0, self.replica_keepalive_s + 2.0, trim)
 
 
 @dataclass
@@ -92,6 +109,7 @@ class Sample:
 @dataclass
 class SoakResult:
     config: SoakConfig
+    started: Sample
     baseline: Sample
     afters: list[Sample]
     samples: list[Sample] = field(default_factory=list)
@@ -102,6 +120,7 @@ class SoakResult:
     loop_lag_p99_s: float | None = None
     loop_lag_max_bucket_s: float | None = None
     peak_open: int = 0
+    cpu_s: float = 0.0
     replicas_marked_down: int = 0
     load_average: list[float] = field(default_factory=list)
 
@@ -136,6 +155,12 @@ def process_sample(pid: int, started: float, open_streams: int) -> Sample:
             rss_kb = int(line.split()[1])
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     return Sample(round(time.monotonic() - started, 1), rss_kb / 1024, fds, open_streams)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def raise_fd_limit() -> None:
@@ -174,7 +199,12 @@ def fleet(cfg: SoakConfig, workdir: Path) -> Iterator[tuple[str, subprocess.Pope
             wait_healthy(url, "/health", sim)
         port = free_port()
         config = {
-            "server": {"port": port, "log_level": "warning", "shutdown_grace_s": 5},
+            "server": {
+                "port": port,
+                "log_level": "warning",
+                "shutdown_grace_s": 5,
+                "memory_trim_idle_s": cfg.memory_trim_idle_s,
+            },
             "models": [
                 {
                     "name": MODEL,
@@ -191,9 +221,11 @@ def fleet(cfg: SoakConfig, workdir: Path) -> Iterator[tuple[str, subprocess.Pope
         path.write_text(yaml.safe_dump(config))
         stderr = workdir / "gateway.stderr"
         with open(stderr, "wb") as err:
+            env = dict(os.environ) if cfg.python_malloc is None else {**os.environ, "PYTHONMALLOC": cfg.python_malloc}
             gateway = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--log-dir", str(workdir)],
                 cwd=ROOT,
+                env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
             )
@@ -316,19 +348,22 @@ async def run_soak(cfg: SoakConfig, workdir: Path | None = None) -> SoakResult:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
         url, gateway, stderr = stack.enter_context(fleet(cfg, workdir))
         started = time.monotonic()
+        at_start = process_sample(gateway.pid, started, 0)
         async with client_session(50) as session:
             warm = Load(url, SoakConfig(streams=50, max_tokens=3, tokens_per_s=cfg.tokens_per_s), session)
             await asyncio.gather(*(warm.stream_once() for _ in range(50)))
-        await asyncio.sleep(max(2.0, cfg.replica_keepalive_s + 2.0))  # the warm-up's connections close
+        await asyncio.sleep(cfg.settle_s)
         baseline = process_sample(gateway.pid, started, 0)
         samples: list[Sample] = []
         afters: list[Sample] = []
         lag_counts: dict[float, float] = {}
         loads: list[float] = []
         done = events = peak = 0
+        cpu = 0.0
         errors: Counter[str] = Counter()
         for _ in range(cfg.rounds):
             lag_before = await asyncio.to_thread(loop_lag_buckets, url)
+            cpu_before = cpu_seconds(gateway.pid)
             async with client_session(cfg.streams) as session:
                 load = Load(url, cfg, session)
                 sampler = asyncio.create_task(sample_while(load, gateway.pid, started, cfg.sample_every_s, samples))
@@ -338,18 +373,20 @@ async def run_soak(cfg: SoakConfig, workdir: Path | None = None) -> SoakResult:
                 lag_after = await asyncio.to_thread(loop_lag_buckets, url)
                 loads.append(os.getloadavg()[0])
                 await running
-                sampler.cancel()
+            cpu += cpu_seconds(gateway.pid) - cpu_before
             for bound, count in lag_after.items():
                 lag_counts[bound] = lag_counts.get(bound, 0.0) + count - lag_before.get(bound, 0.0)
             done, events, peak = done + load.done, events + load.events, max(peak, load.peak)
             errors.update(load.errors)
-            await asyncio.sleep(cfg.idle_s)
+            await asyncio.sleep(cfg.idle_s)  # still sampled: the idle release shows in the samples
+            sampler.cancel()
             afters.append(process_sample(gateway.pid, started, 0))
         log = stderr.read_text()
         log_errors = [line for line in log.splitlines() if '"level":"error"' in line or "Traceback" in line]
         lag = quantile_bound({}, lag_counts, 0.99)
         return SoakResult(
             config=cfg,
+            started=at_start,
             baseline=baseline,
             afters=afters,
             samples=samples,
@@ -360,6 +397,7 @@ async def run_soak(cfg: SoakConfig, workdir: Path | None = None) -> SoakResult:
             loop_lag_p99_s=lag[0] if lag else None,
             loop_lag_max_bucket_s=lag[1] if lag else None,
             peak_open=peak,
+            cpu_s=cpu,
             replicas_marked_down=log.count("replica down"),
             load_average=loads,
         )
@@ -391,7 +429,14 @@ def report(result: SoakResult, command: str, note: str) -> str:
         f"{cfg.rounds} load phase(s): "
         f"{cfg.streams} streams held open at once for {cfg.duration_s:g} s (workers started over "
         f"{cfg.ramp_s:g} s), {cfg.max_tokens} tokens per stream at {cfg.tokens_per_s:g} tokens/s, "
-        f"{cfg.replicas} simulated replicas, then {cfg.idle_s:g} s idle.",
+        f"{cfg.replicas} simulated replicas, then {cfg.idle_s:g} s idle. Idle memory release "
+        + (
+            "off."
+            if cfg.memory_trim_idle_s is None
+            else f"after {cfg.memory_trim_idle_s:g} s without a request in flight (server.memory_trim_idle_s)."
+        )
+        + ("" if cfg.python_malloc is None else f" Gateway started with PYTHONMALLOC={cfg.python_malloc}.")
+        + f" Baseline: idle after start-up, a warm-up of 50 streams and {cfg.settle_s:g} s without traffic.",
         "",
         "| figure | value |",
         "| --- | ---: |",
@@ -400,6 +445,7 @@ def report(result: SoakResult, command: str, note: str) -> str:
         f"| most streams open at once | {result.peak_open:,} |",
         f"| errors (client side) | {sum(result.errors.values())} {dict(result.errors) or ''} |",
         f"| error lines / tracebacks in the gateway's log | {len(result.log_errors)} |",
+        f"| gateway RSS right after start-up (before the warm-up) | {result.started.rss_mb:.1f} MB |",
         f"| gateway RSS, baseline | {result.baseline.rss_mb:.1f} MB |",
         "| gateway RSS, all streams open (median) | "
         + (f"{result.rss_full_mb:.1f} MB |" if result.rss_full_mb is not None else "never all open |"),
@@ -411,6 +457,8 @@ def report(result: SoakResult, command: str, note: str) -> str:
             + " |"
             for i, after in enumerate(result.afters)
         ),
+        "| gateway CPU time per 1,000 token events relayed (load phases) | "
+        + (f"{result.cpu_s * 1000 / result.events * 1000:.0f} ms |" if result.events else "- |"),
         f"| replicas marked down by the health probes | {result.replicas_marked_down} |",
         "| 1-minute load average at the end of each load phase | "
         + ", ".join(f"{x:.1f}" for x in result.load_average)
@@ -453,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-s", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=1, help="load phases, each followed by the idle phase")
+    parser.add_argument(
+        "--trim-idle", type=float, default=30.0, help="the gateway's server.memory_trim_idle_s; 0: no idle release"
+    )
+    parser.add_argument("--python-malloc", default=None, help="PYTHONMALLOC for the gateway process (e.g. malloc)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.md")
     parser.add_argument("--append", action="store_true", help="add to the results file instead of replacing it")
     parser.add_argument("--note", default="", help="a line for the results file (a shortened run says so)")
@@ -465,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens_per_s=args.tokens_per_s,
         max_tokens=args.max_tokens,
         rounds=args.rounds,
+        memory_trim_idle_s=args.trim_idle or None,
+        python_malloc=args.python_malloc,
     )
     import uvloop
 

@@ -20,6 +20,9 @@ async def test_a_short_soak_has_no_errors_and_returns_to_baseline(tmp_path: Path
         max_tokens=20,
         replica_keepalive_s=2,
         health_timeout_s=5.0,
+        # The idle release after 2 s without a request, well inside the 6 s idle phase (and
+        # before the baseline: SoakConfig.settle_s).
+        memory_trim_idle_s=2.0,
     )
     result = await run_soak(cfg, tmp_path)
     assert result.peak_open == cfg.streams
