@@ -70,7 +70,7 @@ class AffinitySettings(_Frozen):
     # replica, the mean being prefixes in use per healthy replica
     # (routing.prefix_placement.AnchorPlacement).
     placement_factor: float = Field(1.0, ge=1.0)
-    placement_slack: float = Field(0.5, ge=0.0)
+    placement_slack: float = Field(0.0, ge=0.0)
     active_after: int = Field(2, ge=1)
     active_window_s: float = Field(600.0, gt=0)
     block_chars: int = Field(DEFAULT_BLOCK_CHARS, ge=16)

@@ -10,8 +10,9 @@ can see alike. The prefixes *in use* are those (their anchor keys) placed at lea
 ``active_after`` times, the last time within ``window_s``. A placement pass homes each on
 the first replica of its rendezvous order (``rendezvous_weight``), at most
 ``ceil(factor * mean + slack * sqrt(mean))`` per replica (``mean``: prefixes in use per
-replica; ``sqrt(mean)`` is about the spread a hash leaves, so the default slack, 0.5,
-corrects the splits a hash makes worse than half of that): a replica with more keeps
+replica; ``sqrt(mean)`` is about the spread a hash leaves; the default slack, 0, splits
+them evenly, since a replica whose cache holds little more than its even share thrashes
+with a couple of prefixes more): a replica with more keeps
 those that weigh most for it, and the rest take the next replica of their order with
 room. This is consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam,
 2018) over the working set, every prefix counted once, arranged so that only a full
@@ -107,7 +108,7 @@ class AnchorPlacement:
         self,
         *,
         factor: float = 1.0,
-        slack: float = 0.5,
+        slack: float = 0.0,
         active_after: int = 2,
         window_s: float = 600.0,
         refresh_s: float = 2.0,

@@ -189,10 +189,7 @@ def test_distinct_prefixes_spread_across_replicas() -> None:
 
 
 def test_prefixes_in_use_are_split_evenly_between_the_replicas() -> None:
-    """The hash alone splits these 32 prompts 22/10; once they are in use, their homes are 18/14.
-
-    18: the mean, 16, plus half the spread a hash leaves (sqrt(16) = 4).
-    """
+    """The hash alone splits these 32 prompts 22/10; once they are in use, their homes are 16/16."""
     rs = [replica(x) for x in "ab"]
     policy = PrefixAffinity(random.Random(1), placement=AnchorPlacement(refresh_s=0.0), members=rs)
     prompts = [req(f"Tenant {i} system prompt. " * 60) for i in range(32)]
@@ -202,7 +199,7 @@ def test_prefixes_in_use_are_split_evenly_between_the_replicas() -> None:
         for p in prompts:
             policy.pick(rs, p, t)
     homes = [policy.pick(rs, p, 2.0).replica for p in prompts]
-    assert sorted(homes.count(r) for r in rs) == [14, 18]
+    assert sorted(homes.count(r) for r in rs) == [16, 16]
     # A retry away from home (home excluded) is not at home; the homes stay the pool's.
     assert homes[0] is not None
     d = policy.pick(rs, prompts[0], 3.0, exclude={homes[0].id})

@@ -56,13 +56,14 @@ def test_the_working_set_is_split_evenly_where_a_hash_would_not() -> None:
     assert sum(homes[a] != f for a, f in zip(anchors, firsts, strict=True)) == 19 - 16
 
 
-def test_the_default_slack_corrects_only_what_a_hash_rarely_does() -> None:
-    """The bound is the mean plus half a hash's spread: 16 + 0.5 * sqrt(16) = 18 of 32 on 2 replicas."""
+def test_the_default_splits_evenly_and_a_slack_corrects_only_what_a_hash_rarely_does() -> None:
+    """By default 16 of 32 on each of 2 replicas; with slack 0.5, the mean plus half a hash's spread: 18."""
     anchors = list(range(1000, 1032))
-    placement = AnchorPlacement(refresh_s=0.0)
-    use(placement, anchors, TWO, 0.0)
-    use(placement, anchors[:1], TWO, 5.0)
-    assert sorted(list(placement.homes().values()).count(m) for m in TWO) == [14, 18]
+    for slack, split in ((None, [16, 16]), (0.5, [14, 18])):
+        placement = AnchorPlacement(refresh_s=0.0) if slack is None else AnchorPlacement(refresh_s=0.0, slack=slack)
+        use(placement, anchors, TWO, 0.0)
+        use(placement, anchors[:1], TWO, 5.0)
+        assert sorted(list(placement.homes().values()).count(m) for m in TWO) == split, slack
 
 
 def test_pods_that_saw_the_same_prefixes_in_another_order_agree() -> None:
