@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -312,7 +312,7 @@ def replica_models(config: BenchConfig, blocks: int, model_dir: Path) -> list[Mo
             args=["--num-gpu-blocks-override", str(blocks), "--block-size", str(BLOCK_SIZE)],
         )
         return [ModelSettings(name=MODEL, replicas=[sim])]
-    cores = os.cpu_count() or 1
+    engine_cores = split_cores()[1]
     replicas = [
         ReplicaSettings(
             engine="vllm",
@@ -322,7 +322,7 @@ def replica_models(config: BenchConfig, blocks: int, model_dir: Path) -> list[Mo
             env={
                 "HF_HUB_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": str(i % cores),
+                "VLLM_CPU_OMP_THREADS_BIND": str(engine_cores[i % len(engine_cores)]),
                 # For /reset_prefix_cache between rows.
                 "VLLM_SERVER_DEV_MODE": "1",
             },
@@ -330,6 +330,60 @@ def replica_models(config: BenchConfig, blocks: int, model_dir: Path) -> list[Mo
         for i in range(config.replicas)
     ]
     return [ModelSettings(name=MODEL, replicas=replicas)]
+
+
+def split_cores() -> tuple[list[int], list[int]]:
+    """(the gateway's and the client's cores, the engines' cores): the first core, then the rest.
+
+    On a GPU host the engines compute on GPUs and the gateway has its CPU to itself. CPU vLLM
+    computes on CPU cores, and a gateway sharing them waits for CPU behind busy engines: the
+    TTFT of every gateway row would then measure the machine, not the routing. Engines get the
+    other cores (all of them, on a machine with one), the gateways and the client the first.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:1], (cpus[1:] or cpus)
+
+
+def pin_process_groups(pgids: Sequence[int], cpus: Sequence[int]) -> int:
+    """Move every thread of every process in ``pgids`` onto ``cpus``; how many threads moved."""
+    moved = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # After the command's closing parenthesis: state, ppid, pgrp, ...
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) not in pgids:
+                continue
+            moved += pin_threads(entry, cpus)
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    return moved
+
+
+def pin_threads(process: Path, cpus: Sequence[int]) -> int:
+    """Move every thread of the process at ``process`` (a /proc entry) onto ``cpus``."""
+    tasks = list((process / "task").iterdir())
+    for task in tasks:
+        os.sched_setaffinity(int(task.name), set(cpus))
+    return len(tasks)
+
+
+@contextlib.contextmanager
+def engines_apart(pgids: Sequence[int], log: Callable[[str], None]) -> Iterator[None]:
+    """The engines (process groups ``pgids``) on their cores; this process, the client, on the first.
+
+    The gateways this process starts meanwhile inherit its core. Its own CPUs come back after.
+    """
+    front, engines = split_cores()
+    before = sorted(os.sched_getaffinity(0))
+    moved = pin_process_groups(pgids, engines)
+    pin_threads(Path("/proc/self"), front)
+    log(f"[vllm] engines on cores {engines} ({moved} threads), gateways and client on {front}")
+    try:
+        yield
+    finally:
+        pin_threads(Path("/proc/self"), before)
 
 
 def build_tiny_model() -> Path:
@@ -499,7 +553,7 @@ async def run_row(
             nice=0,
             extra={
                 "models": [{"name": MODEL, "replicas": [{"url": u} for u in replica_urls]}],
-                # While vLLM works on these two cores the gateway can wait seconds for CPU.
+                # A gateway waiting for CPU behind busy engines must not time out connecting.
                 "upstream": {"connect_timeout_s": 15.0},
             },
         )
@@ -532,7 +586,7 @@ async def run_engine(config: BenchConfig, log: Callable[[str], None]) -> dict[st
     blocks = kv_blocks(config, working_set)
     log(f"[{config.engine}] working set {working_set:,} tokens; {blocks} blocks of {BLOCK_SIZE} per replica")
     results: list[RowResult] = []
-    with tempfile.TemporaryDirectory(prefix="routing-vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="routing-vllm-") as tmp, contextlib.ExitStack() as pins:
         work = Path(tmp)
         fleet = Fleet(
             replica_models(config, blocks, model_dir),
@@ -546,6 +600,8 @@ async def run_engine(config: BenchConfig, log: Callable[[str], None]) -> dict[st
                 raise RuntimeError(f"replicas not healthy after {REPLICA_START_TIMEOUT_S:.0f} s; logs: {work}")
             urls = [r.base_url for r in fleet.all()]
             log(f"[{config.engine}] {len(urls)} replicas healthy in {time.monotonic() - started:.0f} s")
+            if config.engine == "vllm":
+                pins.enter_context(engines_apart([r.pid for r in fleet.all() if r.pid is not None], log))
             capacity = [(await scrape(session, u)).get(GAUGE_KV_CAPACITY_TOKENS) for u in urls]
             # A fresh engine's first requests are slow (allocations, first kernels): warm it
             # up, so the first row measured is not the only one to pay for that.
@@ -656,8 +712,12 @@ def report(runs: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "## Method",
         "",
         f"- **Replicas**: {config['replicas']}, started by the gateway's launcher. vLLM: `vllm-cpu` with the tiny "
-        f"test model (`scripts/build_tiny_model.py`), `{' '.join(VLLM_ARGS)}`, one core each "
-        f"(`VLLM_CPU_OMP_THREADS_BIND`). Simulator: profile `{SIM_PROFILE}` with the same block size. Each run "
+        f"test model (`scripts/build_tiny_model.py`), `{' '.join(VLLM_ARGS)}`; every "
+        "vLLM thread on the cores after the first (`VLLM_CPU_OMP_THREADS_BIND`, then each thread's CPU "
+        "affinity; on a 2-core machine both replicas share core 1), the gateways and the client on the first: "
+        "on a GPU host the engines compute on GPUs and leave the gateway its CPU, and on a shared core the "
+        "gateway rows' TTFT measured the wait for CPU behind busy engines. "
+        f"Simulator: profile `{SIM_PROFILE}` with the same block size. Each run "
         "sizes the KV cache with `--num-gpu-blocks-override` to "
         f"{config['kv_share']:.0%} of the working set (the largest prompt set's): "
         + "; ".join(
