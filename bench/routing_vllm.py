@@ -61,6 +61,7 @@ import orjson
 
 from bench.routing_fleet import ADMIN_KEY, MODEL, FleetSpec, PolicyFleet, TenantSpec
 from bench.soak import cpu_name
+from capacity.loadgen import StreamError, stream_chunks
 from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings, RestartSettings, SimSettings
 from replicas.fleet import Fleet
 from replicas.health import parse_vllm_metrics
@@ -470,21 +471,14 @@ async def stream_one(
     ) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.content.read(500)).decode(errors='replace')}")
-        done = False
-        async for line in resp.content:
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            chunk = orjson.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter() - start
-        if not done or first is None:
-            raise RuntimeError("the stream ended early")
+        try:
+            async for chunk in stream_chunks(resp.content):
+                if first is None and chunk.get("choices"):
+                    first = time.perf_counter() - start
+        except StreamError as exc:
+            raise RuntimeError(f"stream {exc}") from exc
+        if first is None:
+            raise RuntimeError("the stream ended without a choice")
     return first
 
 

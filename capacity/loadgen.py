@@ -27,7 +27,7 @@ import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -161,6 +161,29 @@ def request_body(target: Target, spec: RequestSpec, api: str) -> dict[str, Any]:
     else:
         body["prompt"] = "\n".join(f"{m['role']}: {m['content']}" for m in spec.messages)
     return body
+
+
+class StreamError(Exception):
+    """A stream that sent an error event (``stream_error``) or ended without ``[DONE]`` (``truncated``)."""
+
+    def __init__(self, kind: str, detail: object = None) -> None:
+        super().__init__(kind if detail is None else f"{kind}: {detail}")
+        self.kind = kind
+
+
+async def stream_chunks(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI-style SSE stream, up to ``[DONE]``; comments (keep-alives) skipped."""
+    async for line in content:  # one SSE line at a time
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        chunk = orjson.loads(data)
+        if "error" in chunk:
+            raise StreamError("stream_error", chunk["error"])
+        yield chunk
+    raise StreamError("truncated")
 
 
 def http_error_kind(status: int, body: bytes) -> str:
@@ -331,35 +354,38 @@ class LoadGenerator:
             if resp.status != 200:
                 sample.error = http_error_kind(resp.status, await resp.content.read(ERROR_BODY_BYTES))
                 return
-            done = False
-            async for line in resp.content:  # one SSE line at a time; comments (keep-alives) skipped
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                chunk = orjson.loads(data)
-                if "error" in chunk:
-                    sample.error = "stream_error"
-                    return
-                for choice in chunk.get("choices") or ():
-                    text = choice.get("text") if api != "chat" else (choice.get("delta") or {}).get("content")
-                    # The first chunk with a choice marks the first token even when it carries only
-                    # the role (vLLM sends it as soon as the first token is out): the convention of
-                    # vLLM's own benchmark client. Later chunks count when they carry text.
-                    if text or not times:
-                        if not times and spec.prefix_key is not None:
-                            run.warm_keys.add(spec.prefix_key)  # prefilled: later openers find it cached
-                        times.append(self.clock())
-                    if text:
-                        parts.append(text)
-                usage = chunk.get("usage")
-                if usage:
-                    sample.prompt_tokens = usage.get("prompt_tokens")
-                    sample.completion_tokens = int(usage.get("completion_tokens") or 0)
-            if not done:
-                sample.error = "truncated"
+            try:
+                async for chunk in stream_chunks(resp.content):
+                    self._chunk(run, spec, sample, chunk, times, parts)
+            except StreamError as exc:
+                sample.error = exc.kind
+
+    def _chunk(
+        self,
+        run: _Run,
+        spec: RequestSpec,
+        sample: RequestSample,
+        chunk: dict[str, Any],
+        times: list[float],
+        parts: list[str],
+    ) -> None:
+        """One chunk of a stream: when its first token came, its text, its usage."""
+        api = self.workload.api
+        for choice in chunk.get("choices") or ():
+            text = choice.get("text") if api != "chat" else (choice.get("delta") or {}).get("content")
+            # The first chunk with a choice marks the first token even when it carries only
+            # the role (vLLM sends it as soon as the first token is out): the convention of
+            # vLLM's own benchmark client. Later chunks count when they carry text.
+            if text or not times:
+                if not times and spec.prefix_key is not None:
+                    run.warm_keys.add(spec.prefix_key)  # prefilled: later openers find it cached
+                times.append(self.clock())
+            if text:
+                parts.append(text)
+        usage = chunk.get("usage")
+        if usage:
+            sample.prompt_tokens = usage.get("prompt_tokens")
+            sample.completion_tokens = int(usage.get("completion_tokens") or 0)
 
     @staticmethod
     def _measure(run: _Run, sample: RequestSample, sent: float, times: list[float]) -> None:
