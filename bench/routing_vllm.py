@@ -65,6 +65,7 @@ from capacity.loadgen import StreamError, stream_chunks
 from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings, RestartSettings, SimSettings
 from replicas.fleet import Fleet
 from replicas.health import parse_vllm_metrics
+from replicas.launcher import group_members
 from replicas.replica import GAUGE_KV_CAPACITY_TOKENS
 from sim.engine import CHARS_PER_TOKEN
 
@@ -348,17 +349,10 @@ def split_cores() -> tuple[list[int], list[int]]:
 def pin_process_groups(pgids: Sequence[int], cpus: Sequence[int]) -> int:
     """Move every thread of every process in ``pgids`` onto ``cpus``; how many threads moved."""
     moved = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # After the command's closing parenthesis: state, ppid, pgrp, ...
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) not in pgids:
-                continue
-            moved += pin_threads(entry, cpus)
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
+    for pgid in pgids:
+        for member in group_members(pgid):
+            with contextlib.suppress(OSError, ValueError):  # gone meanwhile
+                moved += pin_threads(Path(f"/proc/{member.pid}"), cpus)
     return moved
 
 

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from replicas.config import RestartSettings
 from replicas.replica import Replica, ReplicaState
@@ -161,17 +162,36 @@ class ManagedProcess:
 REAP_TIMEOUT_S = 10.0
 
 
+class GroupMember(NamedTuple):
+    """A process of a process group, as /proc shows it."""
+
+    pid: int
+    ppid: int
+    state: str  # "Z": a zombie, waiting to be reaped
+    name: str
+
+
+def group_members(pgid: int) -> list[GroupMember]:
+    """Every process in the process group ``pgid``, read from /proc (Linux)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid:
+                members.append(GroupMember(int(entry.name), int(fields[1]), fields[0], comm))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return members
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether any process of the group is still running (zombies waiting for init don't count)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        # after the command: state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return any(member.state != "Z" for member in group_members(pgid))
 
 
 async def _reap_group(pgid: int, timeout_s: float = REAP_TIMEOUT_S) -> None:

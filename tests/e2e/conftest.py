@@ -36,6 +36,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from gateway.settings import hash_key
+from replicas.launcher import group_members
 from tests.integration.harness import API_KEY, GatewayProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,24 +112,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 # -- processes ------------------------------------------------------------------------------
-
-
-def group_members(pgid: int) -> list[tuple[int, int, str, str]]:
-    """(pid, ppid, state, name) of every process in a process group, read from /proc."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid:
-            members.append((int(entry.name), int(fields[1]), fields[0], comm))
-    return members
 
 
 def group_alive(pgid: int) -> bool:
