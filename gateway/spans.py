@@ -266,7 +266,7 @@ def build_spans(
         begin = timeline.started
         for stage, end in timeline.stages:
             ids = (tid, rng.getrandbits(64) or 1, root, stage)
-            spans.append(_STAGE_SPAN % (*ids, int(begin * 1e9) + offset, int(end * 1e9) + offset))
+            spans.append(_STAGE_SPAN % (*ids, ns(begin), ns(end)))
             begin = end
     for attempt in timeline.attempts:
         attrs = _attempt_attributes(operation, attempt.replica, attempt.url, attempt.served_model)
