@@ -191,7 +191,7 @@ class Proxy:
         url = replica.base_url + call.endpoint.value
         ex.upstream_started = self.clock()
         try:
-            status, ctype, body = await self.client.fetch(
+            status, ctype, body, retry_after = await self.client.fetch(
                 "POST",
                 url,
                 call.upstream_body(replica.served_model),
@@ -207,6 +207,7 @@ class Proxy:
             ex.upstream_ended = self.clock()
         replica.last_progress_at = ex.upstream_ended  # it answered: alive, however busy
         _check_status(replica, status)
+        _pass_retry_after(ex, status, retry_after)
         parsed: Any = None
         if status == 200:
             with contextlib.suppress(orjson.JSONDecodeError):
@@ -289,6 +290,7 @@ class Proxy:
                     status = resp.status
                     resp.release()
                     _check_status(replica, status)
+                    _pass_retry_after(ex, status, resp.retry_after)
                     ex.status = status
                     return web.Response(
                         status=status,
@@ -407,6 +409,13 @@ def _check_status(replica: Replica, status: int) -> None:
         raise UpstreamFailure("status", f"{replica.id} answered {status}", status)
     if status in (401, 403):
         raise UpstreamFailure("auth", f"{replica.id} refused the gateway's credentials ({status})", status)
+
+
+def _pass_retry_after(ex: Exchange, status: int, value: str) -> None:
+    """A 429 passed through keeps the replica's Retry-After: a hosted upstream's rate limit
+    says when to come back, and an SDK's retry waits that long."""
+    if status == 429 and value:
+        ex.headers["Retry-After"] = value
 
 
 async def _end_with_error(response: web.StreamResponse, err: GatewayError) -> None:

@@ -25,7 +25,7 @@ import asyncio
 import collections
 import ssl
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -61,6 +61,7 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.received_any = False
         self._content_type = b""
+        self._retry_after = b""
         self._sized = False
 
     # -- asyncio.Protocol --------------------------------------------------------------
@@ -104,12 +105,15 @@ class _Connection(asyncio.Protocol):
             self._content_type = value
         elif lower in (b"content-length", b"transfer-encoding"):
             self._sized = True
+        elif lower == b"retry-after":
+            self._retry_after = value
 
     def on_headers_complete(self) -> None:
         response = self.response
         if response is not None:
             response.status = self._parser.get_status_code()
             response.content_type = self._content_type.split(b";", 1)[0].strip().decode("latin-1")
+            response.retry_after = self._retry_after.strip().decode("latin-1")
             if not response.headers_ready.done():
                 response.headers_ready.set_result(None)
 
@@ -155,6 +159,16 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
 
 
+class Fetched(NamedTuple):
+    """A whole answer (``UpstreamClient.fetch``)."""
+
+    status: int
+    content_type: str
+    body: bytes
+    # The Retry-After header ("" when absent).
+    retry_after: str = ""
+
+
 class UpstreamResponse:
     """A replica's answer: status and content type at once, the body whole or in chunks."""
 
@@ -169,12 +183,15 @@ class UpstreamResponse:
         "content_type",
         "headers_ready",
         "keep_alive",
+        "retry_after",
         "status",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.status = 0
         self.content_type = ""
+        # The replica's Retry-After header ("" when absent), passed on with a 429.
+        self.retry_after = ""
         self.headers_ready: asyncio.Future[None] = loop.create_future()
         self.connection: _Connection | None = None
         self.complete = False
@@ -391,8 +408,8 @@ class UpstreamClient:
         headers: dict[str, str] | None = None,
         *,
         timeout_s: float | None = None,
-    ) -> tuple[int, str, bytes]:
-        """The whole exchange: (status, content type, body), within ``timeout_s``."""
+    ) -> Fetched:
+        """The whole exchange, within ``timeout_s``."""
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -408,10 +425,10 @@ class UpstreamClient:
         try:
             response = await self.open(method, url, body, headers)
             data = await response.read()
-            status, ctype = response.status, response.content_type
+            fetched = Fetched(response.status, response.content_type, data, response.retry_after)
             response.release()
             response = None
-            return status, ctype, data
+            return fetched
         except asyncio.CancelledError:
             if fired and task.uncancel() == 0:
                 raise TimeoutError(f"no complete answer from {url} within {timeout_s} s") from None

@@ -389,7 +389,8 @@ def test_a_trickling_replica_is_not_cut_while_it_keeps_within_the_chunk_gap(tmp_
 
 def test_malformed_answers_and_busy_statuses(tmp_path: Path) -> None:
     """Beside a healthy replica: a 200 of cut-off JSON is a failed attempt (retried on the
-    other replica), so is a 503; a 429 is passed through in OpenAI's shape. Alone, cut-off
+    other replica), so is a 503; a 429 is passed through in OpenAI's shape, with the
+    replica's Retry-After (a hosted upstream's rate limit says when to come back). Alone, cut-off
     JSON is a 502, and a cut-off SSE event is relayed as sent (once bytes flowed, the stream
     is the client's)."""
     with sim_process("--ttft-ms", "1") as good:
@@ -405,6 +406,7 @@ def test_malformed_answers_and_busy_statuses(tmp_path: Path) -> None:
                         assert reply.json()["object"] == "chat.completion"
                     else:
                         assert reply.status_code == 429 and reply.json()["error"]["message"]
+                        assert reply.headers.get("retry-after") == "1"
                 assert statuses == expected and faulty.hits > 0, (mode, statuses)
                 assert error_lines(gw) == []
     (tmp_path / "alone").mkdir()
