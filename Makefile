@@ -6,6 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONFIG ?= config.example.yaml
+SOURCES := gateway routing cache limits replicas sim redisconn common capacity bench tests scripts
 
 .PHONY: run test test-unit test-integration test-e2e vllm-env lint typecheck bench-overhead clean
 
@@ -38,7 +39,8 @@ test-integration: $(STAMP)
 	$(BIN)/pytest -q tests/integration
 
 lint: $(STAMP)
-	$(BIN)/ruff check gateway routing cache limits replicas sim redisconn common capacity bench tests scripts
+	$(BIN)/ruff check $(SOURCES)
+	$(BIN)/ruff format --check $(SOURCES)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -205,18 +205,14 @@ class EngineModel:
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
 
-    def add_request(
-        self, request_id: str, token_ids: list[int], max_tokens: int, eos_after: int | None = None
-    ) -> None:
+    def add_request(self, request_id: str, token_ids: list[int], max_tokens: int, eos_after: int | None = None) -> None:
         """Queue a request; it stops after ``max_tokens``, or after ``eos_after`` with "stop"."""
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not token_ids or max_tokens < 1:
             raise ValueError("a request needs at least one prompt token and max_tokens >= 1")
         if len(token_ids) >= self._max_len:
-            raise ValueError(
-                f"prompt of {len(token_ids)} tokens leaves no room in the {self._max_len}-token context"
-            )
+            raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room in the {self._max_len}-token context")
         seq = _Seq(request_id, len(token_ids), block_hashes(token_ids, self._bs), max_tokens, eos_after)
         self._seqs[request_id] = seq
         self._waiting.append(seq)

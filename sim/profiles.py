@@ -226,7 +226,10 @@ RTX_3060_12GB = GpuSpec(
 
 LLAMA_31_8B = ModelSpec(
     name="meta-llama/Llama-3.1-8B-Instruct",
-    num_layers=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    hidden_size=4096,
     weight_bytes=16_060_000_000,  # 8.03 B params in bf16
     streamed_weight_bytes=15_010_000_000,  # minus the 128,256 x 4,096 embedding table
     matmul_params=7_500_000_000,
@@ -234,7 +237,10 @@ LLAMA_31_8B = ModelSpec(
 )
 LLAMA_31_70B = ModelSpec(
     name="meta-llama/Llama-3.1-70B-Instruct",
-    num_layers=80, num_kv_heads=8, head_dim=128, hidden_size=8192,
+    num_layers=80,
+    num_kv_heads=8,
+    head_dim=128,
+    hidden_size=8192,
     weight_bytes=141_100_000_000,  # 70.6 B params in bf16
     streamed_weight_bytes=139_000_000_000,  # minus the 128,256 x 8,192 embedding table
     matmul_params=69_500_000_000,
@@ -242,7 +248,10 @@ LLAMA_31_70B = ModelSpec(
 )
 QWEN25_7B = ModelSpec(
     name="Qwen/Qwen2.5-7B-Instruct",
-    num_layers=28, num_kv_heads=4, head_dim=128, hidden_size=3584,
+    num_layers=28,
+    num_kv_heads=4,
+    head_dim=128,
+    hidden_size=3584,
     weight_bytes=15_230_000_000,  # 7.62 B params in bf16
     streamed_weight_bytes=14_140_000_000,  # minus the 152,064 x 3,584 embedding table
     matmul_params=7_070_000_000,
@@ -250,7 +259,10 @@ QWEN25_7B = ModelSpec(
 )
 QWEN25_7B_AWQ = ModelSpec(
     name="Qwen/Qwen2.5-7B-Instruct-AWQ",
-    num_layers=28, num_kv_heads=4, head_dim=128, hidden_size=3584,
+    num_layers=28,
+    num_kv_heads=4,
+    head_dim=128,
+    hidden_size=3584,
     # 6.53 B body params at 4 bits (3.27 GB) + group-128 scales and zeros (0.13 GB)
     # + fp16 embedding and LM head (1.09 GB each): the checkpoint's 5.58 GB.
     weight_bytes=5_580_000_000,
@@ -261,7 +273,10 @@ QWEN25_7B_AWQ = ModelSpec(
 LLAMA2_7B_GPTQ = ModelSpec(
     name="TheBloke/Llama-2-7B-Chat-GPTQ",
     # Full multi-head attention: 32 KV heads, 512 KiB of KV per token.
-    num_layers=32, num_kv_heads=32, head_dim=128, hidden_size=4096,
+    num_layers=32,
+    num_kv_heads=32,
+    head_dim=128,
+    hidden_size=4096,
     # 6.48 B body params at 4 bits (3.24 GB) + scales (0.13 GB) + fp16 embedding and LM head
     # (0.26 GB each): the checkpoint's 3.89 GB.
     weight_bytes=3_890_000_000,
@@ -300,15 +315,23 @@ RTX3060_BATCHED_TOKENS = 2048
 
 def _datacenter(name: str, gpu: GpuSpec, model: ModelSpec, tp: int = 1) -> SimProfile:
     return SimProfile(
-        name=name, gpu=gpu, model=model, efficiency=DATACENTER,
-        activation_reserve_bytes=DATACENTER_RESERVE_BYTES, tensor_parallel=tp,
+        name=name,
+        gpu=gpu,
+        model=model,
+        efficiency=DATACENTER,
+        activation_reserve_bytes=DATACENTER_RESERVE_BYTES,
+        tensor_parallel=tp,
     )
 
 
 def _rtx3060(name: str, model: ModelSpec) -> SimProfile:
     return SimProfile(
-        name=name, gpu=RTX_3060_12GB, model=model, efficiency=RTX3060,
-        activation_reserve_bytes=RTX3060_RESERVE_BYTES, max_num_seqs=RTX3060_MAX_NUM_SEQS,
+        name=name,
+        gpu=RTX_3060_12GB,
+        model=model,
+        efficiency=RTX3060,
+        activation_reserve_bytes=RTX3060_RESERVE_BYTES,
+        max_num_seqs=RTX3060_MAX_NUM_SEQS,
         max_num_batched_tokens=RTX3060_BATCHED_TOKENS,
     )
 

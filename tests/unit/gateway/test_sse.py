@@ -85,4 +85,3 @@ def test_error_event_shape() -> None:
     assert orjson.loads(raw[6:]) == {
         "error": {"message": "boom", "type": "server_error", "param": None, "code": "upstream_stream_error"}
     }
-

@@ -25,17 +25,34 @@ BLOCK_BYTES = 512
 
 def tiny_profile(num_blocks: int = 8, max_num_seqs: int = 4, budget: int = 256, jitter: float = 0.0) -> SimProfile:
     model = ModelSpec(
-        name="tiny", num_layers=1, num_kv_heads=1, head_dim=8, hidden_size=8, weight_bytes=0,
-        streamed_weight_bytes=1_000_000, matmul_params=1_000, max_model_len=4096,
+        name="tiny",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        hidden_size=8,
+        weight_bytes=0,
+        streamed_weight_bytes=1_000_000,
+        matmul_params=1_000,
+        max_model_len=4096,
     )
     gpu = GpuSpec(name="tiny", memory_bytes=num_blocks * BLOCK_BYTES, bandwidth_bytes_s=1e9, tensor_flops=1e9)
     eff = Efficiency(
-        bandwidth=1.0, flops=1.0, step_overhead_s=1e-3, per_seq_overhead_s=0.0,
-        frontend_latency_s=0.0, step_jitter=jitter,
+        bandwidth=1.0,
+        flops=1.0,
+        step_overhead_s=1e-3,
+        per_seq_overhead_s=0.0,
+        frontend_latency_s=0.0,
+        step_jitter=jitter,
     )
     return SimProfile(
-        name="tiny", gpu=gpu, model=model, efficiency=eff, activation_reserve_bytes=0,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, gpu_memory_utilization=1.0,
+        name="tiny",
+        gpu=gpu,
+        model=model,
+        efficiency=eff,
+        activation_reserve_bytes=0,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        gpu_memory_utilization=1.0,
     )
 
 
@@ -66,8 +83,16 @@ def test_tensor_parallel_splits_weights_and_kv_heads_across_ranks() -> None:
 
 
 def test_every_named_profile_is_registered_and_sane() -> None:
-    for name in ("h100-llama-3.1-8b", "a100-llama-3.1-8b", "h100x4-llama-3.1-70b", "a100x4-llama-3.1-70b",
-                 "h100-qwen2.5-7b", "a100-qwen2.5-7b", "rtx3060-qwen2.5-7b-awq", "rtx3060-llama-2-7b-gptq"):
+    for name in (
+        "h100-llama-3.1-8b",
+        "a100-llama-3.1-8b",
+        "h100x4-llama-3.1-70b",
+        "a100x4-llama-3.1-70b",
+        "h100-qwen2.5-7b",
+        "a100-qwen2.5-7b",
+        "rtx3060-qwen2.5-7b-awq",
+        "rtx3060-llama-2-7b-gptq",
+    ):
         profile = PROFILES[name]
         assert profile.kv_capacity_tokens >= profile.max_model_len > 0
     with pytest.raises(ValueError, match="known"):
@@ -76,9 +101,15 @@ def test_every_named_profile_is_registered_and_sane() -> None:
 
 def test_step_time_is_overheads_plus_a_p_norm_of_memory_and_compute() -> None:
     coeff = StepCoefficients(
-        fixed_s=0.001, per_seq_s=0.0001, weights_s=0.003, kv_read_s_per_token=1e-6,
-        matmul_s_per_token=1e-4, attention_s_per_pair=0.0, all_reduce_s=0.0005,
-        all_reduce_s_per_token=0.0, sharpness=2.0,
+        fixed_s=0.001,
+        per_seq_s=0.0001,
+        weights_s=0.003,
+        kv_read_s_per_token=1e-6,
+        matmul_s_per_token=1e-4,
+        attention_s_per_pair=0.0,
+        all_reduce_s=0.0005,
+        all_reduce_s_per_token=0.0,
+        sharpness=2.0,
     )
     # memory 0.003 + 1000 x 1e-6 = 0.004; compute 30 x 1e-4 = 0.003; p-norm = 0.005
     assert coeff.seconds(num_seqs=10, num_tokens=30, kv_read_tokens=1000, attention_pairs=0.0) == pytest.approx(
@@ -186,9 +217,14 @@ def test_counters_and_finish_reasons() -> None:
     assert model.counters.prompt_tokens_total == 10 + 20
     assert model.counters.generation_tokens_total == 5 + 3
     assert set(model.metrics()) == {
-        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-        "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
     }
 
 
