@@ -96,38 +96,55 @@ class Timeline:
 
 
 class Outcome(NamedTuple):
-    """What the access log knows of a finished request, for the spans' attributes."""
+    """What the access log knows of a finished request, for the spans' attributes (None:
+    unknown, left out of the span)."""
 
     endpoint: str
     model: str | None
     status: int
     error_code: str | None
-    # (name, value) pairs; a None value is left out of the span.
-    attributes: tuple[tuple[str, object], ...]
+    request_id: str | None = None
+    tenant: str | None = None
+    replica: str | None = None
+    attempts: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    # From the request's body, once parsed.
+    request_model: str | None = None
+    max_tokens: int | None = None
+    choices: int | None = None  # only when more than one
 
     @classmethod
     def from_access_entry(cls, entry: Mapping[str, Any], asked: Mapping[str, Any] | None) -> Outcome:
-        """From the request's access-log line and, once parsed, its body (``asked``)."""
+        """From the request's access-log line (its values typed as ``gateway.accounting``
+        writes them) and, once parsed, its body (``asked``: anything a client sent)."""
         get = entry.get
-        attrs: tuple[tuple[str, object], ...] = (
-            ("gen_ai.response.model", get("model")),
-            ("gen_ai.usage.input_tokens", get("prompt_tokens")),
-            ("gen_ai.usage.output_tokens", get("completion_tokens")),
-            ("fleetgate.request_id", get("request_id")),
-            ("fleetgate.tenant", get("tenant")),
-            ("fleetgate.replica", get("replica")),
-            ("fleetgate.attempts", get("attempts")),
-        )
+        request_model = max_tokens = choices = None
         if asked is not None:
             model = asked.get("model")
+            if isinstance(model, str):
+                request_model = model
             tokens = asked.get("max_completion_tokens") or asked.get("max_tokens")
+            if type(tokens) is int:  # not a bool, which a JSON body may hold instead
+                max_tokens = tokens
             n = asked.get("n")
-            attrs += (
-                ("gen_ai.request.model", model if isinstance(model, str) else None),
-                ("gen_ai.request.max_tokens", tokens if isinstance(tokens, int) else None),
-                ("gen_ai.request.choice.count", n if isinstance(n, int) and n > 1 else None),
-            )
-        return cls(str(get("endpoint")), get("model"), int(entry["status"]), get("error"), attrs)
+            if type(n) is int and n > 1:
+                choices = n
+        return cls(
+            str(get("endpoint")),
+            get("model"),
+            int(entry["status"]),
+            get("error") or None,
+            get("request_id"),
+            get("tenant"),
+            get("replica"),
+            get("attempts"),
+            get("prompt_tokens"),
+            get("completion_tokens"),
+            request_model,
+            max_tokens,
+            choices,
+        )
 
 
 def _string(text: str) -> str:
@@ -140,6 +157,12 @@ def _string_attribute(key: str, value: str) -> str:
     """A string attribute in JSON. Remembered: most values (operation, models, tenant,
     replica, address) recur on every request, and a lookup costs less than escaping."""
     return f'{{"key":"{key}","value":{{"stringValue":{_string(value)}}}}}'
+
+
+@functools.lru_cache(maxsize=256)
+def _name(operation: str, model: str | None) -> str:
+    """A span's name, ``{operation} {model}``, as a JSON string (a handful recur)."""
+    return _string(f"{operation} {model}" if model else operation)
 
 
 def _attributes(attrs: Iterable[tuple[str, object]]) -> str:
@@ -162,27 +185,6 @@ def _attributes(attrs: Iterable[tuple[str, object]]) -> str:
     return ",".join(parts)
 
 
-def _span(
-    trace_id: str,
-    span_id: str,
-    parent_id: str | None,
-    name: str,
-    kind: int,
-    start_ns: int,
-    end_ns: int,
-    attributes: str = "",
-    failed: bool = False,
-) -> str:
-    """One OTLP ``Span`` object in JSON (ids are validated or generated lowercase hex)."""
-    parent = f',"parentSpanId":"{parent_id}"' if parent_id else ""
-    attrs = f',"attributes":[{attributes}]' if attributes else ""
-    status = _ERROR if failed else ""
-    return (
-        f'{{"traceId":"{trace_id}","spanId":"{span_id}"{parent},"name":{_string(name)},"kind":{kind},'
-        f'"startTimeUnixNano":{start_ns},"endTimeUnixNano":{end_ns}{attrs}{status}}}'
-    )
-
-
 @functools.lru_cache(maxsize=256)
 def _attempt_attributes(operation: str, replica: str, url: str, served_model: str) -> str:
     """An attempt span's attributes but ``error.type``: the same for every attempt on one
@@ -199,16 +201,58 @@ def _attempt_attributes(operation: str, replica: str, url: str, served_model: st
     )
 
 
-# An attempt followed by another (after at least one other attribute).
-_ATTEMPT_FAILED = ',{"key":"error.type","value":{"stringValue":"attempt_failed"}}'
-# A stage's time, an attribute of the server span, after at least one other attribute.
-_STAGE_ATTRIBUTE = ',{"key":"fleetgate.%s_us","value":{"intValue":%d}}'  # %d truncates to whole µs
-# A stage's span: the one kind with no attributes, written from one template (the stage
-# names are ``Timeline.mark``'s callers' identifiers: nothing to escape).
+# The templates spans are written from, filled by one ``%`` each: the keys and names in them
+# are this module's constants or ``Timeline.mark``'s callers' identifiers (nothing to
+# escape), ids are validated or generated lowercase hex, strings from outside go through
+# ``_string``. ``%d`` truncates a float (a stage's time) to whole microseconds.
+_INT = ',{"key":"%s","value":{"intValue":%d}}'
+_STAGE_ATTRIBUTE = ',{"key":"fleetgate.%s_us","value":{"intValue":%d}}'
+_REQUEST_ID = ',{"key":"fleetgate.request_id","value":{"stringValue":%s}}'
+_SERVER_SPAN = (
+    '{"traceId":"%s","spanId":"%s"%s,"name":%s,"kind":' + str(KIND_SERVER) + ","
+    '"startTimeUnixNano":%d,"endTimeUnixNano":%d,"attributes":[%s]%s}'
+)
+_CLIENT_SPAN = (
+    '{"traceId":"%s","spanId":"%016x","parentSpanId":"%s","name":%s,"kind":' + str(KIND_CLIENT) + ","
+    '"startTimeUnixNano":%d,"endTimeUnixNano":%d,"attributes":[%s]%s}'
+)
 _STAGE_SPAN = (
-    f'{{"traceId":"%s","spanId":"%016x","parentSpanId":"%s","name":"%s","kind":{KIND_INTERNAL},'
+    '{"traceId":"%s","spanId":"%016x","parentSpanId":"%s","name":"%s","kind":' + str(KIND_INTERNAL) + ","
     '"startTimeUnixNano":%d,"endTimeUnixNano":%d}'
 )
+# What closes an export request's body after its spans (see ``RequestSpans._envelope``).
+_CLOSE = b"]}]}]}"
+# An attempt followed by another (after at least one other attribute).
+_ATTEMPT_FAILED = ',{"key":"error.type","value":{"stringValue":"attempt_failed"}}'
+
+
+def _server_attributes(operation: str, o: Outcome) -> str:
+    """The server span's attributes but the stages' times, comma-separated. Written attribute
+    by attribute (no loop over pairs, no type tests): this runs for every sampled request."""
+    text = _string_attribute("gen_ai.operation.name", operation) + _INT % ("http.response.status_code", o.status)
+    if o.model is not None:
+        text += "," + _string_attribute("gen_ai.response.model", o.model)
+    if o.input_tokens is not None:
+        text += _INT % ("gen_ai.usage.input_tokens", o.input_tokens)
+    if o.output_tokens is not None:
+        text += _INT % ("gen_ai.usage.output_tokens", o.output_tokens)
+    if o.request_id is not None:  # unique to the request: escaped, not remembered
+        text += _REQUEST_ID % _string(o.request_id)
+    if o.tenant is not None:
+        text += "," + _string_attribute("fleetgate.tenant", o.tenant)
+    if o.replica is not None:
+        text += "," + _string_attribute("fleetgate.replica", o.replica)
+    if o.attempts is not None:
+        text += _INT % ("fleetgate.attempts", o.attempts)
+    if o.request_model is not None:
+        text += "," + _string_attribute("gen_ai.request.model", o.request_model)
+    if o.max_tokens is not None:
+        text += _INT % ("gen_ai.request.max_tokens", o.max_tokens)
+    if o.choices is not None:
+        text += _INT % ("gen_ai.request.choice.count", o.choices)
+    if o.error_code is not None:
+        text += "," + _string_attribute("error.type", o.error_code)
+    return text
 
 
 def build_spans(
@@ -232,55 +276,44 @@ def build_spans(
     tid = trace.trace_id
     root = trace.span_id
     operation = OPERATIONS.get(outcome.endpoint, outcome.endpoint)
-
-    def ns(t: float) -> int:
-        return int(t * 1e9) + offset
-
-    attrs = _attributes(
-        (
-            ("gen_ai.operation.name", operation),
-            ("http.response.status_code", outcome.status),
-            *outcome.attributes,
-            ("error.type", outcome.error_code or None),
-        )
-    )
-    begin = timeline.started
+    attrs = _server_attributes(operation, outcome)
+    started = begin = timeline.started
     for stage, end in timeline.stages:
         attrs += _STAGE_ATTRIBUTE % (stage, (end - begin) * 1e6)
         begin = end
-    name = f"{operation} {outcome.model}" if outcome.model else operation
+    parent = f',"parentSpanId":"{trace.parent_id}"' if trace.parent_id else ""
     spans = [
-        _span(
+        _SERVER_SPAN
+        % (
             tid,
             root,
-            trace.parent_id,
-            name,
-            KIND_SERVER,
-            ns(timeline.started),
-            ns(now),
+            parent,
+            _name(operation, outcome.model),
+            int(started * 1e9) + offset,
+            int(now * 1e9) + offset,
             attrs,
-            failed=outcome.status >= 500,
+            _ERROR if outcome.status >= 500 else "",
         )
     ]
     if stage_spans:
-        begin = timeline.started
+        begin = started
         for stage, end in timeline.stages:
             ids = (tid, rng.getrandbits(64) or 1, root, stage)
-            spans.append(_STAGE_SPAN % (*ids, ns(begin), ns(end)))
+            spans.append(_STAGE_SPAN % (*ids, int(begin * 1e9) + offset, int(end * 1e9) + offset))
             begin = end
-    for attempt in timeline.attempts:
-        attrs = _attempt_attributes(operation, attempt.replica, attempt.url, attempt.served_model)
+    for a in timeline.attempts:
+        attrs = _attempt_attributes(operation, a.replica, a.url, a.served_model)
         spans.append(
-            _span(
+            _CLIENT_SPAN
+            % (
                 tid,
-                f"{rng.getrandbits(64) or 1:016x}",
+                rng.getrandbits(64) or 1,
                 root,
-                f"{operation} {attempt.served_model}",
-                KIND_CLIENT,
-                ns(attempt.start),
-                ns(attempt.end if attempt.end is not None else now),
-                attrs + _ATTEMPT_FAILED if attempt.failed else attrs,
-                failed=attempt.failed,
+                _name(operation, a.served_model),
+                int(a.start * 1e9) + offset,
+                int((now if a.end is None else a.end) * 1e9) + offset,
+                attrs + _ATTEMPT_FAILED if a.failed else attrs,
+                _ERROR if a.failed else "",
             )
         )
     return spans
@@ -339,9 +372,11 @@ class RequestSpans:
 
     ``sampler`` says which requests have spans (``gateway.tracing.start_trace`` asks it);
     ``stage_spans`` adds a child span per stage to each request's server and attempt spans.
-    A request's spans are written as JSON text when it finishes and queued as one string:
-    keeping the request's objects instead, to write them in batches at export time, measured
-    slower (bench/results/tracing-overhead.md).
+    A request's spans are written as JSON text when it finishes, straight into the body of
+    the export request it will go out in: a batch is one growing buffer, closed when the next
+    request's spans would take it past ``batch`` spans (a request's spans are never split),
+    so an export copies nothing. Keeping the request's objects instead, to write them at
+    export time, measured slower (bench/results/tracing-overhead.md).
     """
 
     def __init__(
@@ -356,9 +391,12 @@ class RequestSpans:
         self.stage_spans = stage_spans
         self.sampler = sampler or Sampler.named(DEFAULT_SAMPLER)
         self._rng = rng or random.Random()
-        # Each finished request's spans as one JSON text (comma-separated), with their count.
-        self._queue: deque[tuple[str, int]] = deque()
-        self.queued = 0
+        # Batches ready to go, each an export request's body but its closing brackets, with
+        # its span count; then the batch being filled (None: none yet).
+        self._full: deque[tuple[bytearray, int]] = deque()
+        self._filling: bytearray | None = None
+        self._filling_count = 0
+        self.queued = 0  # spans in all of them
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -389,22 +427,35 @@ class RequestSpans:
             self.dropped += count
             return
         spans = build_spans(trace, timeline, outcome, now, time.time_ns(), self._rng, stage_spans=self.stage_spans)
-        self._queue.append((",".join(spans), count))
+        text = ",".join(spans).encode()
+        if self._filling is None or self._filling_count + count > self.settings.batch:
+            if self._filling is not None:
+                self._close_batch()
+            self._filling = bytearray(self._envelope)
+        else:
+            self._filling += b","
+        self._filling += text
+        self._filling_count += count
         self.queued += count
-        if self.queued >= self.settings.batch:
-            self._wake.set()
+        if self._filling_count >= self.settings.batch:
+            self._close_batch()
 
-    def take_batch(self) -> tuple[bytes, int]:
-        """The next export request's body, up to ``batch`` spans (a request's spans are never
-        split over two), and how many spans it holds."""
-        texts: list[str] = []
-        count = 0
-        while self._queue and (not texts or count + self._queue[0][1] <= self.settings.batch):
-            text, n = self._queue.popleft()
-            texts.append(text)
-            count += n
+    def _close_batch(self) -> None:
+        """The batch being filled is ready to go."""
+        assert self._filling is not None
+        self._full.append((self._filling, self._filling_count))
+        self._filling, self._filling_count = None, 0
+        self._wake.set()
+
+    def take_batch(self) -> tuple[bytearray, int]:
+        """The next export request's body (the oldest full batch, else the one being filled),
+        and how many spans it holds."""
+        if not self._full:
+            self._close_batch()
+        body, count = self._full.popleft()
+        body += _CLOSE
         self.queued -= count
-        return b"".join((self._envelope, ",".join(texts).encode(), b"]}]}]}")), count
+        return body, count
 
     async def __aenter__(self) -> RequestSpans:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.timeout_s))
@@ -415,7 +466,7 @@ class RequestSpans:
         await stop(self._task)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.timeout_s):
-                while self._queue:
+                while self._full or self._filling is not None:
                     await self._export()
         if self._session is not None:
             await self._session.close()
@@ -433,7 +484,7 @@ class RequestSpans:
             except TimeoutError:
                 partial_too = True
             self._wake.clear()
-            while self.queued >= self.settings.batch or (partial_too and self._queue):
+            while self._full or (partial_too and self._filling is not None):
                 await self._export()
 
     async def _export(self) -> None:

@@ -110,3 +110,34 @@ def test_queued_spans_count_what_will_be_exported() -> None:
     export = orjson.loads(body)
     (scope,) = export["resourceSpans"][0]["scopeSpans"]
     assert count == len(scope["spans"]) == 3 and spans.queued == 6
+
+
+def test_batches_fill_in_order_and_each_is_a_whole_export_request() -> None:
+    spans = RequestSpans(ExportSettings(url="http://c/v1/traces", headers={}, service_name="gw", batch=7))
+    outcome = Outcome.from_access_entry({"endpoint": "chat", "model": "m", "status": 200}, None)
+    traces = [TraceContext(f"{i + 1:032x}", f"{i + 1:016x}", None, "01") for i in range(5)]
+    for trace in traces:
+        spans.emit(trace, timeline(), outcome, 11.0)  # 3 spans each: two requests fill 6 of 7
+    assert spans.queued == 15
+    bodies = []
+    while spans.queued:
+        body, count = spans.take_batch()
+        bodies.append((orjson.loads(body), count))
+    # 3 + 3 (a third would pass 7), 3 + 3, then the last request's 3 from the batch still filling
+    assert [count for _, count in bodies] == [6, 6, 3]
+    for export, count in bodies:
+        (resource,) = export["resourceSpans"]
+        assert resource["resource"]["attributes"] == [{"key": "service.name", "value": {"stringValue": "gw"}}]
+        (scope,) = resource["scopeSpans"]
+        assert scope["scope"] == {"name": "fleetgate"} and len(scope["spans"]) == count
+    trace_ids = [s["traceId"] for export, _ in bodies for s in export["resourceSpans"][0]["scopeSpans"][0]["spans"]]
+    assert trace_ids == [t.trace_id for t in traces for _ in range(3)]  # the order they finished in
+
+
+def test_a_request_with_more_spans_than_a_batch_goes_whole_in_a_batch_of_its_own() -> None:
+    spans = RequestSpans(ExportSettings(url="http://c/v1/traces", headers={}, batch=4), stage_spans=True)
+    outcome = Outcome.from_access_entry({"endpoint": "chat", "model": "m", "status": 200}, None)
+    spans.emit(TRACE, timeline(), outcome, 11.0)  # 1 + 5 stages + 2 attempts = 8 spans
+    body, count = spans.take_batch()
+    assert count == len(orjson.loads(body)["resourceSpans"][0]["scopeSpans"][0]["spans"]) == 8
+    assert spans.queued == 0
