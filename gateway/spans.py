@@ -43,7 +43,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import unquote
@@ -201,57 +201,58 @@ def _attempt_attributes(operation: str, replica: str, url: str, served_model: st
     )
 
 
-# The templates spans are written from, filled by one ``%`` each: the keys and names in them
-# are this module's constants or ``Timeline.mark``'s callers' identifiers (nothing to
-# escape), ids are validated or generated lowercase hex, strings from outside go through
-# ``_string``. ``%d`` truncates a float (a stage's time) to whole microseconds.
-_INT = ',{"key":"%s","value":{"intValue":%d}}'
-_STAGE_ATTRIBUTE = ',{"key":"fleetgate.%s_us","value":{"intValue":%d}}'
-_REQUEST_ID = ',{"key":"fleetgate.request_id","value":{"stringValue":%s}}'
-_SERVER_SPAN = (
-    '{"traceId":"%s","spanId":"%s"%s,"name":%s,"kind":' + str(KIND_SERVER) + ","
-    '"startTimeUnixNano":%d,"endTimeUnixNano":%d,"attributes":[%s]%s}'
-)
-_CLIENT_SPAN = (
-    '{"traceId":"%s","spanId":"%016x","parentSpanId":"%s","name":%s,"kind":' + str(KIND_CLIENT) + ","
-    '"startTimeUnixNano":%d,"endTimeUnixNano":%d,"attributes":[%s]%s}'
-)
-_STAGE_SPAN = (
-    '{"traceId":"%s","spanId":"%016x","parentSpanId":"%s","name":"%s","kind":' + str(KIND_INTERNAL) + ","
-    '"startTimeUnixNano":%d,"endTimeUnixNano":%d}'
-)
+def _string_attribute_writer(key: str) -> Callable[[str], str]:
+    """A function writing the string attribute ``key`` (after at least one other attribute),
+    remembered by value: most values (operation, models, tenant, replica, error) recur on
+    every request, and a lookup on the value alone costs less than escaping it."""
+
+    @functools.lru_cache(maxsize=256)
+    def write(value: str) -> str:
+        return f',{{"key":"{key}","value":{{"stringValue":{_string(value)}}}}}'
+
+    return write
+
+
+_operation_attribute = _string_attribute_writer("gen_ai.operation.name")
+_response_model_attribute = _string_attribute_writer("gen_ai.response.model")
+_request_model_attribute = _string_attribute_writer("gen_ai.request.model")
+_tenant_attribute = _string_attribute_writer("fleetgate.tenant")
+_replica_attribute = _string_attribute_writer("fleetgate.replica")
+_error_attribute = _string_attribute_writer("error.type")
+# How the span of an attempt followed by another ends: its last attribute, and its status.
+_FAILED_ATTEMPT_END = ',{"key":"error.type","value":{"stringValue":"attempt_failed"}}]' + _ERROR + "}"
 # What closes an export request's body after its spans (see ``RequestSpans._envelope``).
 _CLOSE = b"]}]}]}"
-# An attempt followed by another (after at least one other attribute).
-_ATTEMPT_FAILED = ',{"key":"error.type","value":{"stringValue":"attempt_failed"}}'
 
 
 def _server_attributes(operation: str, o: Outcome) -> str:
     """The server span's attributes but the stages' times, comma-separated. Written attribute
-    by attribute (no loop over pairs, no type tests): this runs for every sampled request."""
-    text = _string_attribute("gen_ai.operation.name", operation) + _INT % ("http.response.status_code", o.status)
+    by attribute from f-strings (no loop over pairs, no type tests, no argument tuples): this
+    runs for every sampled request. Keys are constants, values escaped or integers."""
+    text = _operation_attribute(operation)[1:]
+    text += f',{{"key":"http.response.status_code","value":{{"intValue":{o.status}}}}}'
     if o.model is not None:
-        text += "," + _string_attribute("gen_ai.response.model", o.model)
+        text += _response_model_attribute(o.model)
     if o.input_tokens is not None:
-        text += _INT % ("gen_ai.usage.input_tokens", o.input_tokens)
+        text += f',{{"key":"gen_ai.usage.input_tokens","value":{{"intValue":{o.input_tokens}}}}}'
     if o.output_tokens is not None:
-        text += _INT % ("gen_ai.usage.output_tokens", o.output_tokens)
+        text += f',{{"key":"gen_ai.usage.output_tokens","value":{{"intValue":{o.output_tokens}}}}}'
     if o.request_id is not None:  # unique to the request: escaped, not remembered
-        text += _REQUEST_ID % _string(o.request_id)
+        text += f',{{"key":"fleetgate.request_id","value":{{"stringValue":{_string(o.request_id)}}}}}'
     if o.tenant is not None:
-        text += "," + _string_attribute("fleetgate.tenant", o.tenant)
+        text += _tenant_attribute(o.tenant)
     if o.replica is not None:
-        text += "," + _string_attribute("fleetgate.replica", o.replica)
+        text += _replica_attribute(o.replica)
     if o.attempts is not None:
-        text += _INT % ("fleetgate.attempts", o.attempts)
+        text += f',{{"key":"fleetgate.attempts","value":{{"intValue":{o.attempts}}}}}'
     if o.request_model is not None:
-        text += "," + _string_attribute("gen_ai.request.model", o.request_model)
+        text += _request_model_attribute(o.request_model)
     if o.max_tokens is not None:
-        text += _INT % ("gen_ai.request.max_tokens", o.max_tokens)
+        text += f',{{"key":"gen_ai.request.max_tokens","value":{{"intValue":{o.max_tokens}}}}}'
     if o.choices is not None:
-        text += _INT % ("gen_ai.request.choice.count", o.choices)
+        text += f',{{"key":"gen_ai.request.choice.count","value":{{"intValue":{o.choices}}}}}'
     if o.error_code is not None:
-        text += "," + _string_attribute("error.type", o.error_code)
+        text += _error_attribute(o.error_code)
     return text
 
 
@@ -267,10 +268,12 @@ def build_spans(
 ) -> list[str]:
     """The request's spans, each an OTLP JSON object; ``wall_ns`` is the epoch time at gateway
     time ``now``. Each stage's time is an attribute of the server span (``fleetgate.<stage>_us``,
-    whole microseconds), and with ``stage_spans`` a child span too.
+    whole microseconds, truncated), and with ``stage_spans`` a child span too.
 
-    Written straight as JSON text from templates: nested dicts for a serialiser cost more to
-    build, to encode and to free on the event loop (bench/results/tracing-overhead.md).
+    Written straight as JSON text, one f-string per span: nested dicts for a serialiser cost
+    more to build, to encode and to free on the event loop (bench/results/tracing-overhead.md).
+    Ids are validated or generated lowercase hex, stage names are ``Timeline.mark``'s callers'
+    identifiers: nothing in a template needs escaping but the names, which ``_name`` escapes.
     """
     offset = wall_ns - int(now * 1e9)
     tid = trace.trace_id
@@ -279,42 +282,33 @@ def build_spans(
     attrs = _server_attributes(operation, outcome)
     started = begin = timeline.started
     for stage, end in timeline.stages:
-        attrs += _STAGE_ATTRIBUTE % (stage, (end - begin) * 1e6)
+        attrs += f',{{"key":"fleetgate.{stage}_us","value":{{"intValue":{int((end - begin) * 1e6)}}}}}'
         begin = end
     parent = f',"parentSpanId":"{trace.parent_id}"' if trace.parent_id else ""
+    status = _ERROR if outcome.status >= 500 else ""
     spans = [
-        _SERVER_SPAN
-        % (
-            tid,
-            root,
-            parent,
-            _name(operation, outcome.model),
-            int(started * 1e9) + offset,
-            int(now * 1e9) + offset,
-            attrs,
-            _ERROR if outcome.status >= 500 else "",
-        )
+        f'{{"traceId":"{tid}","spanId":"{root}"{parent},"name":{_name(operation, outcome.model)},'
+        f'"kind":{KIND_SERVER},"startTimeUnixNano":{int(started * 1e9) + offset},'
+        f'"endTimeUnixNano":{int(now * 1e9) + offset},"attributes":[{attrs}]{status}}}'
     ]
     if stage_spans:
         begin = started
         for stage, end in timeline.stages:
-            ids = (tid, rng.getrandbits(64) or 1, root, stage)
-            spans.append(_STAGE_SPAN % (*ids, int(begin * 1e9) + offset, int(end * 1e9) + offset))
+            spans.append(
+                f'{{"traceId":"{tid}","spanId":"{rng.getrandbits(64) or 1:016x}","parentSpanId":"{root}",'
+                f'"name":"{stage}","kind":{KIND_INTERNAL},"startTimeUnixNano":{int(begin * 1e9) + offset},'
+                f'"endTimeUnixNano":{int(end * 1e9) + offset}}}'
+            )
             begin = end
     for a in timeline.attempts:
         attrs = _attempt_attributes(operation, a.replica, a.url, a.served_model)
+        end = now if a.end is None else a.end
+        tail = _FAILED_ATTEMPT_END if a.failed else "]}"
         spans.append(
-            _CLIENT_SPAN
-            % (
-                tid,
-                rng.getrandbits(64) or 1,
-                root,
-                _name(operation, a.served_model),
-                int(a.start * 1e9) + offset,
-                int((now if a.end is None else a.end) * 1e9) + offset,
-                attrs + _ATTEMPT_FAILED if a.failed else attrs,
-                _ERROR if a.failed else "",
-            )
+            f'{{"traceId":"{tid}","spanId":"{rng.getrandbits(64) or 1:016x}","parentSpanId":"{root}",'
+            f'"name":{_name(operation, a.served_model)},"kind":{KIND_CLIENT},'
+            f'"startTimeUnixNano":{int(a.start * 1e9) + offset},"endTimeUnixNano":{int(end * 1e9) + offset},'
+            f'"attributes":[{attrs}{tail}'
         )
     return spans
 
