@@ -20,12 +20,12 @@ https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/
 Why not the OpenTelemetry SDK: measured here (bench/results/tracing-overhead.md), building
 its span objects and encoding them to protobuf cost ~100-200 µs per request, a third to a
 half of the gateway's requests/s with every request sampled. Here the request path only
-notes times on a ``Timeline`` (nothing when off or not sampled) and queues the finished
-request; its spans are written as OTLP JSON text
-(https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding) from templates when its
-batch is exported, and posted from the event loop; no dependency is needed. The queue is
-bounded: when the collector is slow or gone, spans are dropped (and counted), requests are
-never held up.
+notes times on a ``Timeline`` (nothing when off or not sampled); when the request is over,
+its spans are written as OTLP JSON text
+(https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding), one f-string per span,
+straight into the body of the export batch they go out in, which is posted from the event
+loop; no dependency is needed. The queue is bounded: when the collector is slow or gone,
+spans are dropped (and counted), requests are never held up.
 
 Standard variables read: the endpoint ones above, ``OTEL_EXPORTER_OTLP[_TRACES]_HEADERS``,
 ``OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT``, ``OTEL_SERVICE_NAME``, ``OTEL_BSP_SCHEDULE_DELAY``,
@@ -370,7 +370,8 @@ class RequestSpans:
     the export request it will go out in: a batch is one growing buffer, closed when the next
     request's spans would take it past ``batch`` spans (a request's spans are never split),
     so an export copies nothing. Keeping the request's objects instead, to write them at
-    export time, measured slower (bench/results/tracing-overhead.md).
+    export time, measured no faster (bench/results/tracing-overhead.md): the writing costs
+    the same wherever it runs.
     """
 
     def __init__(
