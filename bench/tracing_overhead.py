@@ -26,7 +26,8 @@ Method (bench/overhead.py's setup, all in one run so the ratios hold on a noisy 
   scheduler gives each an even share, so their requests/s differ as their CPU cost per
   request does, and other jobs on the machine slow both alike: on a shared machine the
   sequential rounds swing by more than the effect (one run slowed, the next not), the
-  shared-core ratios do not (`twin` shows their own error);
+  shared-core ratios do not (`twin` shows their own error); with `--base`, `on` and `base-on`
+  are also loaded together, in both orders, which measures the change in tracing's own cost;
 - the cost tracing off adds to every request, timed in this process: the trace context
   (`gateway.tracing.start_trace`) and the headers sent upstream, against the `off`
   gateway's CPU time per request.
@@ -195,6 +196,9 @@ def main() -> int:
     )
     systems = (["base"] if args.base else []) + list(SEQUENTIAL)
     paired = [*PAIRS, *(("base", "base-on") if args.base else ())]
+    # Gateways loaded together on core 0: each of `paired` beside `off`; with `--base`, also
+    # `on` beside `base-on`, in both orders (the first of a pair gets a few percent more).
+    matches = [(name, "off") for name in paired] + ([("on", "base-on"), ("base-on", "on")] if args.base else [])
     gateways = list(dict.fromkeys([*systems, *paired]))
     base = base_tree(args.base, tmp) if args.base else None
     p_nginx, p_sink = free_port(), free_port()
@@ -218,7 +222,7 @@ def main() -> int:
             cwd_argv = ["env", "-C", str(base if base is not None and name.startswith("base") else ROOT), *argv]
             pids[name] = stack.enter_context(process(cwd_argv, 0, tmp / f"{name}.log", env)).pid
             urls[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
-        pairs: dict[str, list[Shared]] = {name: [] for name in paired}
+        pairs: dict[str, list[Shared]] = {f"{a}/{b}": [] for a, b in matches}
         for url in urls.values():
             wait_http(url.replace("/v1/chat/completions", "/readyz"))
             wrk(url, 32, 2, script)  # warm-up
@@ -229,9 +233,8 @@ def main() -> int:
                     runs[name][conc].append(measure(urls[name], conc, args.duration, script, pids[name], sink_proc.pid))
                 print(f"c={conc} round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         for r in range(args.rounds):
-            for name in paired:
-                pair = (urls[name], urls["off"])
-                pairs[name].append(shared_core(pair, (pids[name], pids["off"]), 16, args.duration, script))
+            for a, b in matches:
+                pairs[f"{a}/{b}"].append(shared_core((urls[a], urls[b]), (pids[a], pids[b]), 16, args.duration, script))
             print(f"shared core round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
     # Read after the gateways stopped: the exporter reports dropped spans at shutdown.
     dropped = {name: (tmp / f"{name}.log").read_text().count("spans dropped") for name in ("on", "ratio", "stages")}
@@ -243,9 +246,9 @@ def main() -> int:
         for what, get in (("req/s", _rps), ("CPU/request", _cpu))
     }
     shared_runs = {
-        f"{name}/off {what} (shared core)": [values[0] / values[1] for values in series]
-        for name in paired
-        for what, series in (("req/s", [p.rps for p in pairs[name]]), ("CPU/request", [p.cpu_us for p in pairs[name]]))
+        f"{key} {what} (shared core)": [values[0] / values[1] for values in series]
+        for key, ps in pairs.items()
+        for what, series in (("req/s", [p.rps for p in ps]), ("CPU/request", [p.cpu_us for p in ps]))
     }
     shared = {k: (statistics.median(v), min(v), max(v)) for k, v in shared_runs.items()}
     off_us = off_path_us()
@@ -334,7 +337,12 @@ def report(
         "Shared core: each gateway and `off` loaded at the same time on core 0 (16 connections each),"
         f" {args.rounds} runs of {args.duration} s, median (and range) of the ratios. `stages`: every request"
         " sampled with `tracing.stage_spans: true`; `twin`: a second `off`, the control"
-        + (f"; `base`, `base-on`: the code at `{args.base}` without and with an OTLP endpoint:" if args.base else ":"),
+        + (
+            f"; `base`, `base-on`: the code at `{args.base}` without and with an OTLP endpoint, and `on` beside"
+            " `base-on` in both orders (the change in tracing's cost, measured directly):"
+            if args.base
+            else ":"
+        ),
         "",
     ]
     lines += [f"- {k}: {m:.3f} ({lo:.3f}-{hi:.3f})" for k, (m, lo, hi) in shared.items()]
