@@ -254,8 +254,29 @@ def semantic_query(scope: str, model: str, endpoint: str, body: dict[str, Any]) 
     message keeps its other fields), so every other field, known or not, splits the scope
     exactly as it splits the exact key.
     """
-    kind = endpoint_kind(endpoint)
+    text = semantic_text(endpoint, body)
+    if text is None:
+        return None
     rest = dict(body)
+    if endpoint_kind(endpoint) == "chat":
+        messages = body["messages"]
+        rest["messages"] = [*messages[:-1], {k: v for k, v in messages[-1].items() if k != "content"}]
+    else:
+        del rest["prompt"]
+    material = orjson.dumps(
+        [SEMANTIC_SCOPE_VERSION, scope, model, endpoint, canonical_body(rest)],
+        option=orjson.OPT_SORT_KEYS,
+    )
+    return SemanticQuery(f"{escape_scope(scope)}:{hashlib.sha256(material).hexdigest()}", text)
+
+
+def semantic_text(endpoint: str, body: dict[str, Any]) -> str | None:
+    """The text ``semantic_query`` compares, stripped; None if the request has none.
+
+    Chat: the last message, when it is a user message with string content. Completions: the
+    one prompt string. Known before the model is: the classifier embeds the same text.
+    """
+    kind = endpoint_kind(endpoint)
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
@@ -264,24 +285,16 @@ def semantic_query(scope: str, model: str, endpoint: str, body: dict[str, Any]) 
         text = last.get("content")
         if last.get("role") != "user" or not isinstance(text, str):
             return None
-        rest["messages"] = [*messages[:-1], {k: v for k, v in last.items() if k != "content"}]
     elif kind == "completion":
         text = body.get("prompt")
         if isinstance(text, list) and len(text) == 1:
             text = text[0]
         if not isinstance(text, str):
             return None
-        del rest["prompt"]
     else:
         return None
     text = text.strip()
-    if not text:
-        return None
-    material = orjson.dumps(
-        [SEMANTIC_SCOPE_VERSION, scope, model, endpoint, canonical_body(rest)],
-        option=orjson.OPT_SORT_KEYS,
-    )
-    return SemanticQuery(f"{escape_scope(scope)}:{hashlib.sha256(material).hexdigest()}", text)
+    return text or None
 
 
 def escape_scope(scope: str) -> str:

@@ -39,7 +39,16 @@ from typing import Any
 from cache.coalesce import Coalescer, Leader, Wake
 from cache.config import CacheServiceSettings, CacheSettings
 from cache.entry import CachedCompletion, EntryCorrupt, Kind, StreamCollector
-from cache.keys import Cacheability, CachePlan, SemanticQuery, plan_request, semantic_query
+from cache.keys import (
+    Cacheability,
+    CachePlan,
+    SemanticQuery,
+    cacheability,
+    parse_cache_control,
+    plan_request,
+    semantic_query,
+    semantic_text,
+)
 from cache.memory_store import MemoryStore
 from cache.metrics import CacheMetrics
 from cache.redis_store import RedisStore
@@ -130,6 +139,27 @@ class ResponseCache:
             return plan
         self.semantic.start_soon()  # a no-op once started
         return replace(plan, semantic=query)
+
+    def semantic_text(
+        self, endpoint: str, body: dict[str, Any], settings: CacheSettings, cache_control: str | None
+    ) -> str | None:
+        """The text the semantic cache will embed for this request (to look it up, or to store
+        its answer), or None: the same conditions as ``plan``'s, known before the model is.
+
+        Pure and uncounted: the classifier asks it before ``plan`` runs.
+        """
+        semantic = self.semantic
+        if semantic is None or not settings.semantic.enabled:
+            return None
+        if cacheability(endpoint, body, settings) is not Cacheability.CACHEABLE:
+            return None
+        directives = parse_cache_control(cache_control)
+        if not directives.lookup and not directives.store:
+            return None
+        text = semantic_text(endpoint, body)
+        if text is None or len(text) > semantic.settings.max_text_chars:
+            return None
+        return text
 
     @staticmethod
     def collector(kind: Kind, settings: CacheSettings) -> StreamCollector:

@@ -131,6 +131,11 @@ class SemanticCache:
         return self._embedder
 
     @property
+    def identity(self) -> str:
+        """The running embedder's identity ("" until started)."""
+        return self._identity
+
+    @property
     def verifier(self) -> SemanticVerifier | None:
         """The verifier in use (None until started)."""
         return self._verifier
@@ -288,6 +293,22 @@ class SemanticCache:
         return "stored"
 
     # -- embedding --------------------------------------------------------------------------
+
+    async def vector(self, text: str, timeout_s: float) -> tuple[Vector | None, str]:
+        """``text``'s vector for another reader (the complexity classifier), or None and why
+        (``unavailable``: not started or ``max_pending`` reached; ``timeout``).
+
+        It goes through the same memo as ``lookup`` and ``store``: a lookup or store of the
+        same text afterwards (or meanwhile) gets this vector, embedded once.
+        """
+        if not self.ready:
+            return None, "unavailable"
+        try:
+            return await self._vector(text, timeout_s), ""
+        except _Overloaded:
+            return None, "unavailable"
+        except TimeoutError:
+            return None, "timeout"
 
     async def _vector(self, text: str, timeout_s: float) -> Vector:
         """``text``'s unit vector, shared with concurrent and recent asks for the same text."""

@@ -258,3 +258,48 @@ async def test_an_embedder_of_another_dimension_is_refused_at_start() -> None:
         async with ResponseCache(MemoryStore(), metrics=metrics, semantic=semantic, start_semantic=True):
             pass
     assert semantic.state is State.CLOSED
+
+
+async def test_the_classifiers_vector_is_the_one_the_lookup_and_store_use() -> None:
+    """The classifier asks for the text's vector before the cache looks it up: one embedding."""
+    embedder = GatedEmbedder()
+    embedder.gate.set()
+    async with make(embedder) as cache:
+        question = "What is the capital of France?"
+        text = cache.semantic_text(CHAT, body(f"  {question} "), ON, None)
+        assert text == question
+        assert cache.semantic is not None
+        vector, why = await cache.semantic.vector(text, 1.0)
+        assert vector is not None and why == ""
+        await remember(cache, question)  # lookup (a miss) and store of the same text
+        assert embedder.calls == 1
+
+
+async def test_the_classifiers_vector_is_bounded_like_a_lookup() -> None:
+    embedder = GatedEmbedder()
+    async with make(embedder, max_pending=1) as cache:
+        assert cache.semantic is not None
+        assert await cache.semantic.vector("first question", 0.02) == (None, "timeout")
+        assert await cache.semantic.vector("second question", 1.0) == (None, "unavailable")  # one pending
+        embedder.gate.set()
+        vector, _ = await cache.semantic.vector("first question", 1.0)  # the timed-out one, finished
+        assert vector is not None and embedder.calls == 1
+    idle = make()  # never started
+    assert idle.semantic is not None and await idle.semantic.vector("x", 1.0) == (None, "unavailable")
+
+
+async def test_semantic_text_is_what_plan_would_embed() -> None:
+    async with make(max_text_chars=40) as cache:
+        question = "What is the capital of France?"
+        assert cache.semantic_text(CHAT, body(question), ON, None) == question
+        plan = cache.plan("t1", "m", CHAT, body(question), ON, None)
+        assert plan.semantic is not None and plan.semantic.text == question
+        assert cache.semantic_text(CHAT, body(question), CacheSettings(), None) is None  # tenant: semantic off
+        off = CacheSettings(enabled=False, semantic=SemanticCacheSettings(enabled=True))
+        assert cache.semantic_text(CHAT, body(question), off, None) is None
+        assert cache.semantic_text(CHAT, body(question, temperature=1), ON, None) is None  # not cacheable
+        assert cache.semantic_text(CHAT, body(question), ON, "no-cache, no-store") is None
+        assert cache.semantic_text(CHAT, body(question), ON, "no-store") == question  # still looked up
+        assert cache.semantic_text(CHAT, body(question + " And Peru's?"), ON, None) is None  # > 40 characters
+        assert cache.semantic_text("/v1/embeddings", {"input": question}, ON, None) is None
+        assert sample(cache, "fleetgate_cache_bypass_total", reason="semantic_long_text") == 0  # uncounted
