@@ -1,4 +1,5 @@
-"""Complexity classifier: a score in [0, 1] from a linear model over words, word pairs and symbols.
+"""Complexity classifier: a score in [0, 1] from a linear model over words, word pairs and symbols,
+or from the embedding head when the request's sentence embedding is at hand.
 
 A request for model ``auto`` goes to the tier whose configured score range holds its
 score. The score says how likely the latest user message is a prompt on which a large
@@ -21,8 +22,12 @@ them needs no library beyond the standard one.
 
 Every contribution keeps its feature, so a decision explains itself: the reasons are the
 features that moved the score most, either way, e.g.
-``score=0.81; +w:integral,+s:=,+b:prove_that`` (``w:`` a word, ``b:`` a word pair, ``s:``
-symbols; ``+`` towards the large tier, ``-`` towards the small).
+``score=0.81; ngram; +w:integral,+s:=,+b:prove_that`` (``w:`` a word, ``b:`` a word pair,
+``s:`` symbols; ``+`` towards the large tier, ``-`` towards the small).
+
+With a sentence embedding of the instruction (``vector``, the semantic cache's), the
+embedding head (``routing.embedding_head``) decides instead; the header names it and the
+parts of its logit: ``score=0.81; embedding(emb+1.52,ngram+0.40); +w:integral``.
 
 Cost: tens to a few hundred microseconds (``bench/classifier.py`` measures it), paid only
 by requests that are classified (model ``auto`` or a tenant's ``classify_models``).
@@ -40,6 +45,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from routing.embedding_head import EmbeddingHead, default_head
 
 MODEL_FORMAT = 1
 DEFAULT_MODEL = "classifier.json"
@@ -82,17 +92,32 @@ class TierRange:
     max_score: float
 
 
+# Which head decided (``Classification.head``).
+NGRAM = "ngram"
+EMBEDDING = "embedding"
+
+
 @dataclass(frozen=True, slots=True)
 class Classification:
-    """The chosen tier, the score, and the features that moved the score most (largest first)."""
+    """The chosen tier, the score, the head that decided, and the n-gram features that moved
+    the score most (largest first).
+
+    ``detail``: for the embedding head, the parts of its logit (``emb+1.52,ngram+0.40``); for
+    the n-gram model, why the embedding head did not decide when it was asked to (``timeout``),
+    else empty.
+    """
 
     tier: str
     score: float
     reasons: tuple[str, ...]
+    head: str = NGRAM
+    detail: str = ""
 
     def header(self) -> str:
-        """Compact debug form for a response header and the log line."""
-        return f"score={self.score:.2f}; {','.join(self.reasons) or 'none'}"
+        """Compact debug form for a response header and the log line:
+        ``score=0.81; embedding(emb+1.52,ngram+0.40); +w:integral,+s:=``."""
+        head = f"{self.head}({self.detail})" if self.detail else self.head
+        return f"score={self.score:.2f}; {head}; {','.join(self.reasons) or 'none'}"
 
 
 # The boundaries are fixed; the model's calibration puts them where the training script
@@ -184,19 +209,53 @@ def validate_tiers(tiers: Sequence[TierRange]) -> None:
 
 
 def classify(
-    body: dict[str, Any], tiers: Sequence[TierRange] = DEFAULT_TIERS, model: LinearModel | None = None
+    body: dict[str, Any],
+    tiers: Sequence[TierRange] = DEFAULT_TIERS,
+    model: LinearModel | None = None,
+    *,
+    vector: npt.NDArray[np.floating] | None = None,
+    head: EmbeddingHead | None = None,
+    fallback: str = "",
 ) -> Classification:
-    """Score ``body`` (chat ``messages`` or completion ``prompt``) and pick the tier holding the score."""
-    return classify_text(instruction(body), tiers, model)
+    """Score ``body`` (chat ``messages`` or completion ``prompt``) and pick the tier holding the score.
+
+    With ``vector`` (the embedding of ``embedding_text(instruction(body))``) the embedding
+    head decides (``head``, the shipped one by default); without, the n-gram model, and
+    ``fallback`` says why the embedding head did not (shown in the header; "" when it was
+    not asked to).
+    """
+    return classify_text(instruction(body), tiers, model, vector=vector, head=head, fallback=fallback)
 
 
 def classify_text(
-    text: str, tiers: Sequence[TierRange] = DEFAULT_TIERS, model: LinearModel | None = None
+    text: str,
+    tiers: Sequence[TierRange] = DEFAULT_TIERS,
+    model: LinearModel | None = None,
+    *,
+    vector: npt.NDArray[np.floating] | None = None,
+    head: EmbeddingHead | None = None,
+    fallback: str = "",
 ) -> Classification:
-    """Score one instruction text and pick the tier holding the score."""
+    """Score one instruction text and pick the tier holding the score (see ``classify``)."""
     m = model or default_model()
+    if vector is not None:
+        h = head or default_head()
+        ngram_logit, contributions = m.logit(features(text)) if h.uses_ngrams else (0.0, [])
+        parts = h.logit(vector, ngram_logit, len(text))
+        score = h.score(parts.total)
+        detail = f"emb{parts.embedding:+.2f}"
+        if h.uses_ngrams:
+            detail += f",ngram{parts.ngram:+.2f}"
+        if h.length_weight:
+            detail += f",len{parts.length:+.2f}"
+        return Classification(_tier_for(score, tiers), round(score, 3), _reasons(contributions), EMBEDDING, detail)
     logit, contributions = m.logit(features(text))
     score = m.score(logit)
+    return Classification(_tier_for(score, tiers), round(score, 3), _reasons(contributions), NGRAM, fallback)
+
+
+def _reasons(contributions: list[tuple[str, float]]) -> tuple[str, ...]:
+    """The features that moved the logit most, either way, as ``+w:integral``."""
     reasons: list[str] = []
     for name, weight in sorted(contributions, key=_magnitude, reverse=True):
         if abs(weight) < REASON_MIN:
@@ -206,7 +265,7 @@ def classify_text(
             reasons.append(("+" if weight > 0 else "-") + shown)
             if len(reasons) == MAX_REASONS:
                 break
-    return Classification(_tier_for(score, tiers), round(score, 3), tuple(reasons))
+    return tuple(reasons)
 
 
 def resolve_tier(classification: Classification, forced: str | None, allowed: Collection[str]) -> tuple[str, str]:

@@ -9,6 +9,7 @@ Example::
         - {name: small, min_score: 0.0, max_score: 0.3}
         - {name: medium, min_score: 0.3, max_score: 0.55}
         - {name: large, min_score: 0.55, max_score: 1.0}
+      classifier: {embedding: auto}  # always | never: when the embedding head scores auto requests
       affinity: {factor: 1.25, margin_requests: 4, anchor_blocks: 4}
       capacity: {max_requests: 256, max_prefill_tokens: 4096}  # per replica, unless models[].capacity says otherwise
       retry_budget: {ratio: 0.2, min_per_s: 1, burst: 10}
@@ -52,6 +53,24 @@ class TierSettings(_Frozen):
 
     def range(self) -> TierRange:
         return TierRange(self.name, self.min_score, self.max_score)
+
+
+EmbeddingUse = Literal["auto", "always", "never"]
+
+
+class ClassifierSettings(_Frozen):
+    """Which head classifies ``auto`` requests (docs/routing.md, "Complexity classifier").
+
+    ``embedding``: ``auto`` scores a request with the embedding head when the tenant's
+    semantic cache embeds its text anyway (one embedding, shared), else with the n-gram
+    model; ``always`` embeds every classified request's text (the embedding model loads at
+    start-up, ~5 ms of CPU per request); ``never`` keeps to the n-gram model.
+    """
+
+    embedding: EmbeddingUse = "auto"
+    # A head trained for the vectors of one's own cache.semantic.model_dir
+    # (scripts/train_classifier.py --embedding); default: the shipped head.
+    embedding_head_path: str | None = None
 
 
 class AffinitySettings(_Frozen):
@@ -172,7 +191,8 @@ class RoutingSettings(_Frozen):
 
     policy: PolicyName = "prefix_affinity"
     tiers: list[TierSettings] = Field(default_factory=lambda: [_tier(t) for t in DEFAULT_TIERS])
-    # Send x-fleetgate-route (score, reasons, tier) on classified requests.
+    classifier: ClassifierSettings = ClassifierSettings()
+    # Send x-fleetgate-route (score, head, reasons, tier) on classified requests.
     debug_header: bool = True
     affinity: AffinitySettings = AffinitySettings()
     load: LoadSettings = LoadSettings()

@@ -5,7 +5,8 @@ names, ``tenant`` a tenant id, ``tier`` a tier name, ``policy`` one of the four 
 names, ``reason`` a policy's decision reason (``affinity``, ``affinity_spill``,
 ``new_prefix``, ``no_prefix``, ``least_tokens``, ``least_requests``, ``round_robin``),
 a tier reason (``classified``, ``forced``, ``force_denied``) or a shed
-reason (``queue_full``, ``wait_exceeded``, ``deadline``). Retries are the gateway's
+reason (``queue_full``, ``wait_exceeded``, ``deadline``); ``head`` and ``fallback`` the
+classifier's fixed sets. Retries are the gateway's
 ``fleetgate_retries_total``; this module adds the budget that stops them.
 
 Queue depth is read from the queues at scrape time (``QueueCollector``): nothing to keep up
@@ -50,6 +51,13 @@ class RoutingMetrics(MetricSet):
             "fleetgate_routing_tiers",
             "Classified requests by tier and how it was chosen (classified, forced, force_denied).",
             ["tier", "reason"],
+            registry=r,
+        )
+        self.classifier_heads = Counter(
+            "fleetgate_routing_classifier_heads",
+            "Classified requests by the classifier head that scored them (embedding, ngram) and why "
+            "the embedding head did not when it was asked to (none, unavailable, timeout, mismatch).",
+            ["head", "fallback"],
             registry=r,
         )
         self.fallbacks = Counter(

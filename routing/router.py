@@ -1,7 +1,8 @@
 """The router: tier choice for ``auto``, one pool per model, and each request's ``Route``.
 
 Built once from configuration. Per request, the gateway asks ``choose_tier`` (classified
-requests only), then ``route`` for a ``Route``: the proxy's picker for that request. A
+requests only; first ``text_to_embed``, whose embedding it fetches when there is one to
+fetch), then ``route`` for a ``Route``: the proxy's picker for that request. A
 ``Route`` walks the request's model pool first and then that model's fallback chain
 (``models[].fallback``, in order, not followed transitively), asking each pool's policy
 for a replica not yet tried; it builds the policy's view of the request (``RouteRequest``,
@@ -24,11 +25,15 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+import numpy.typing as npt
+
 from replicas.replica import Claim, Replica
 from routing.admission import Admission
 from routing.capacity import Capacity
-from routing.classifier import Classification, classify, resolve_tier
-from routing.config import AffinitySettings, CapacitySettings, PolicyName, RoutingSettings
+from routing.classifier import Classification, classify, instruction, resolve_tier
+from routing.config import AffinitySettings, CapacitySettings, EmbeddingUse, PolicyName, RoutingSettings
+from routing.embedding_head import EmbeddingHead, embedding_text
 from routing.fair_queue import FairQueueConfig
 from routing.metrics import RoutingMetrics
 from routing.policies import (
@@ -385,9 +390,14 @@ class Router:
         affinity: AffinitySettings,
         metrics: RoutingMetrics,
         clock: Callable[[], float],
+        head: EmbeddingHead | None = None,
+        embedding_use: EmbeddingUse = "never",
     ) -> None:
         self.pools = dict(pools)
         self.tiers = tiers
+        # The classifier's embedding head (None: n-grams only) and when it is asked for.
+        self.head = head
+        self.embedding_use = embedding_use
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
@@ -410,6 +420,7 @@ class Router:
         clock: Callable[[], float],
         metrics: RoutingMetrics,
         weights: dict[str, float] | None = None,
+        head: EmbeddingHead | None = None,
     ) -> Router:
         ls = settings.load
         load = LoadModel(ls.tokens_per_request, ls.kv_knee, ls.kv_full_tokens)
@@ -448,17 +459,61 @@ class Router:
                 index,
             )
         tiers = TierMap(settings.tier_ranges(), [(s.model, s.tier) for s in specs])
-        return cls(pools, tiers, policy=settings.policy, affinity=settings.affinity, metrics=metrics, clock=clock)
+        return cls(
+            pools,
+            tiers,
+            policy=settings.policy,
+            affinity=settings.affinity,
+            metrics=metrics,
+            clock=clock,
+            head=head,
+            embedding_use=settings.classifier.embedding,
+        )
 
     def chain(self, model: str) -> tuple[Pool, ...]:
         return self._chains[model]
 
-    def choose_tier(self, body: dict[str, Any], forced: str | None, allowed: Collection[str]) -> TierChoice | None:
-        """Classify ``body`` and pick the tier's model; None when no tier has a model."""
+    def text_to_embed(
+        self, body: dict[str, Any], shared: str | None, forced: str | None, allowed: Collection[str]
+    ) -> str | None:
+        """The text whose embedding the classifier wants for ``body``, or None (n-grams only).
+
+        ``shared``: the text the tenant's semantic cache will embed for this request, if it
+        will (``ResponseCache.semantic_text``); the same text as ``embedding_text`` gives
+        then, so one embedding serves both. ``always`` asks for one anyway; nothing does
+        when no tier is active or a forced tier is allowed (the score would not matter).
+        """
+        use = self.embedding_use
+        if use == "never" or self.head is None or not self.tiers.active or (forced and forced in allowed):
+            return None
+        if shared is not None:
+            return shared
+        if use == "always":
+            return embedding_text(instruction(body)) or None
+        return None
+
+    def choose_tier(
+        self,
+        body: dict[str, Any],
+        forced: str | None,
+        allowed: Collection[str],
+        vector: npt.NDArray[np.floating] | None = None,
+        fallback: str = "",
+    ) -> TierChoice | None:
+        """Classify ``body`` and pick the tier's model; None when no tier has a model.
+
+        ``vector``: the embedding of ``text_to_embed``'s text, when it was asked for and came
+        (the embedding head scores it); ``fallback``: why it did not come.
+        """
         tiers = self.tiers
         if not tiers.active:
             return None
-        classification = classify(body, tiers.ranges)
+        if vector is not None and self.head is not None:
+            classification = classify(body, tiers.ranges, vector=vector, head=self.head)
+        else:
+            classification = classify(body, tiers.ranges, fallback=fallback)
+        rm = self.metrics
+        rm.series(rm.classifier_heads, classification.head, fallback or "none").inc()
         tier, reason = resolve_tier(classification, forced, allowed)
         model = tiers.model_for(tier)
         if model is None:  # only a forced name outside the tier list gets here

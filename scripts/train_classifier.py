@@ -19,6 +19,19 @@ What it does, in order (the labels are ``bench.classifier_data``'s, reasoned in 
    through ``score = sigmoid(scale * logit + shift)``. The final model is then trained on
    every labelled prompt.
 
+With ``--embedding`` it (also) writes the embedding head, ``routing/data/classifier-embedding.json``
+(``routing.embedding_head``; needs the ``semantic`` extra):
+
+4. Vectors: every prompt's ``embedding_text`` embedded by the semantic cache's embedder
+   (``SentenceTransformerEmbedder``, the shipped model and layers unless ``--model-dir``),
+   whose identity the file records.
+5. Head: the same weighted logistic regression over the vector and ``log1p`` of the
+   prompt's length (``HEAD_LENGTH``), plus ``HEAD_NGRAM_WEIGHT`` times the n-gram model's
+   logit; both extras are kept only where they raised the ``sources`` AUC
+   (bench/results/classifier.md).
+6. Calibration: as in 3, from the ``HEAD_CALIBRATION_PROTOCOL`` out-of-fold logits with
+   ``HEAD_EASY_QUANTILE`` / ``HEAD_HARD_QUANTILE``, so the same default tiers hold.
+
 ``bench/classifier.py`` runs the same folds to report the out-of-source figures.
 """
 
@@ -38,6 +51,7 @@ import numpy as np
 
 from bench.classifier_data import EASY, HARD, Prompt, load
 from routing.classifier import DEFAULT_TIERS, MODEL_FORMAT, LinearModel, features
+from routing.embedding_head import DEFAULT_HEAD, HEAD_FORMAT, embedding_text
 
 OUT = Path(__file__).resolve().parent.parent / "routing" / "data" / "classifier.json"
 MIN_DF = 3
@@ -56,6 +70,21 @@ EASY_QUANTILE = 0.88
 HARD_QUANTILE = 0.20
 SMALL_TOP = DEFAULT_TIERS[0].max_score
 LARGE_BOTTOM = DEFAULT_TIERS[-1].min_score
+
+# The embedding head (``--embedding``).
+HEAD_OUT = OUT.with_name(DEFAULT_HEAD)
+# The recipe that scored best on the `sources` folds (bench/results/classifier.md,
+# "Candidates"): the vector and log length, no n-gram logit, C = 0.3 (of 0.3, 1 and 3).
+HEAD_C = 0.3
+HEAD_LENGTH = True
+HEAD_NGRAM_WEIGHT = 0.0
+# Boundaries from the strictest folds (every kind held out whole): the head's scores there
+# are what a kind of prompt it never read gets. 85% of easy prompts stay small, 75% of hard
+# ones go large (held-out arena-hard, real users' asks: 56%).
+HEAD_CALIBRATION_PROTOCOL = "sources"
+HEAD_EASY_QUANTILE = 0.85
+HEAD_HARD_QUANTILE = 0.25
+EMBED_BATCH = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +194,12 @@ def out_of_fold(prompts: Sequence[Prompt], feats: Sequence[set[str]], protocol: 
     return logits
 
 
-def calibration(logits: np.ndarray, prompts: Sequence[Prompt]) -> tuple[float, float, float, float]:
+def calibration(
+    logits: np.ndarray,
+    prompts: Sequence[Prompt],
+    easy_quantile: float = EASY_QUANTILE,
+    hard_quantile: float = HARD_QUANTILE,
+) -> tuple[float, float, float, float]:
     """(scale, shift, easy boundary logit, hard boundary logit) from out-of-source logits."""
     idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
     y = [int(prompts[i].label == HARD) for i in idx]
@@ -173,8 +207,8 @@ def calibration(logits: np.ndarray, prompts: Sequence[Prompt]) -> tuple[float, f
     x = logits[idx]
     hard = np.array(y, dtype=bool)
     # Quantiles with every group weighing the same (as in training).
-    t_small = weighted_quantile(x[~hard], w[~hard], EASY_QUANTILE)
-    t_large = weighted_quantile(x[hard], w[hard], HARD_QUANTILE)
+    t_small = weighted_quantile(x[~hard], w[~hard], easy_quantile)
+    t_large = weighted_quantile(x[hard], w[hard], hard_quantile)
     if t_large <= t_small:
         raise SystemExit(f"hard and easy overlap too much: large boundary {t_large:.3f} <= small {t_small:.3f}")
     z_small = math.log(SMALL_TOP / (1 - SMALL_TOP))
@@ -197,12 +231,134 @@ def fit_on(prompts: Sequence[Prompt], feats: Sequence[set[str]], idx: Sequence[i
     return fit(x, y, g)
 
 
+# -- the embedding head ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HeadRecipe:
+    """What the head adds to the vector: log length (as an input of the regression) and the
+    n-gram logit (with a fixed weight: fitting it on logits of prompts the n-gram model was
+    trained on would trust it far too much)."""
+
+    length: bool = HEAD_LENGTH
+    ngram_weight: float = HEAD_NGRAM_WEIGHT
+    c: float = HEAD_C
+
+
+@dataclass(frozen=True, slots=True)
+class FittedHead:
+    weights: np.ndarray
+    bias: float
+    length_weight: float
+    ngram_weight: float
+
+    def logits(self, x: np.ndarray, lengths: np.ndarray, ngram: np.ndarray) -> np.ndarray:
+        """The head's logits as ``routing.embedding_head.EmbeddingHead.logit`` computes them."""
+        return x @ self.weights + self.bias + self.length_weight * np.log1p(lengths) + self.ngram_weight * ngram
+
+
+def embed(prompts: Sequence[Prompt], model_dir: Path | None = None) -> tuple[np.ndarray, str]:
+    """Every prompt's ``embedding_text`` embedded as the gateway embeds it, and the embedder's identity."""
+    import asyncio
+
+    from cache.semantic.embedder import SentenceTransformerEmbedder
+
+    texts = [embedding_text(p.text) for p in prompts]
+
+    async def run() -> tuple[np.ndarray, str]:
+        async with SentenceTransformerEmbedder(model_dir, max_batch_size=EMBED_BATCH) as e:
+            parts = [await e.embed(texts[i : i + EMBED_BATCH]) for i in range(0, len(texts), EMBED_BATCH)]
+            return np.concatenate(parts).astype(np.float64), e.identity
+
+    return asyncio.run(run())
+
+
+def lengths_of(prompts: Sequence[Prompt]) -> np.ndarray:
+    return np.array([len(p.text) for p in prompts], dtype=np.float64)
+
+
+def fit_head(
+    x: np.ndarray, lengths: np.ndarray, y: Sequence[int], groups: Sequence[str], recipe: HeadRecipe = HeadRecipe()
+) -> FittedHead:
+    """The weighted logistic regression over the vector (and log length, if the recipe says so)."""
+    from sklearn.linear_model import LogisticRegression
+
+    inputs = np.hstack([x, np.log1p(lengths)[:, None]]) if recipe.length else x
+    clf = LogisticRegression(C=recipe.c, max_iter=5000)
+    clf.fit(inputs, np.asarray(y), sample_weight=group_weights(y, groups))
+    coef = clf.coef_[0]
+    dim = x.shape[1]
+    length_weight = float(coef[dim]) if recipe.length else 0.0
+    return FittedHead(coef[:dim].copy(), float(clf.intercept_[0]), length_weight, recipe.ngram_weight)
+
+
+def head_out_of_fold(
+    prompts: Sequence[Prompt], x: np.ndarray, ngram: np.ndarray, protocol: str, recipe: HeadRecipe = HeadRecipe()
+) -> np.ndarray:
+    """Each labelled prompt's head logit from a head trained without its fold; ``ngram``: the
+    n-gram logits of the same folds (out of fold too). NaN for the middle kinds."""
+    train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    lengths = lengths_of(prompts)
+    logits = np.full(len(prompts), np.nan)
+    for held in folds(prompts, protocol):
+        out = set(held)
+        rest = [i for i in train if i not in out]
+        y = [int(prompts[i].label == HARD) for i in rest]
+        head = fit_head(x[rest], lengths[rest], y, [prompts[i].group for i in rest], recipe)
+        logits[held] = head.logits(x[held], lengths[held], np.nan_to_num(ngram[held]))
+    return logits
+
+
+def train_final_head(prompts: Sequence[Prompt], x: np.ndarray, recipe: HeadRecipe = HeadRecipe()) -> FittedHead:
+    """The shipped head's weights: every hard and easy prompt."""
+    idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    y = [int(prompts[i].label == HARD) for i in idx]
+    return fit_head(x[idx], lengths_of(prompts)[idx], y, [prompts[i].group for i in idx], recipe)
+
+
+def train_head(prompts: Sequence[Prompt], feats: Sequence[set[str]], x: np.ndarray, identity: str) -> dict[str, Any]:
+    """The head file's content: trained on every labelled prompt, calibrated out of fold."""
+    ngram = out_of_fold(prompts, feats, HEAD_CALIBRATION_PROTOCOL) if HEAD_NGRAM_WEIGHT else np.zeros(len(prompts))
+    logits = head_out_of_fold(prompts, x, ngram, HEAD_CALIBRATION_PROTOCOL)
+    scale, shift, t_small, t_large = calibration(logits, prompts, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE)
+    idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    final = train_final_head(prompts, x)
+    info: dict[str, Any] = {
+        "trained_on": dict(sorted(Counter(f"{prompts[i].group}:{prompts[i].label}" for i in idx).items())),
+        "boundary_logits": {"small_top": round(t_small, 4), "large_bottom": round(t_large, 4)},
+        "quantiles": {"easy": HEAD_EASY_QUANTILE, "hard": HEAD_HARD_QUANTILE, "folds": HEAD_CALIBRATION_PROTOCOL},
+        "C": HEAD_C,
+    }
+    return {
+        "format": HEAD_FORMAT,
+        "embedder": identity,
+        "bias": round(final.bias, 6),
+        "ngram_weight": final.ngram_weight,
+        "length_weight": round(final.length_weight, 6),
+        "scale": round(scale, 6),
+        "shift": round(shift, 6),
+        "info": info,
+        "weights": [round(float(w), 6) for w in final.weights],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--embedding", action="store_true", help="write the embedding head (only)")
+    parser.add_argument("--head-out", type=Path, default=HEAD_OUT)
+    parser.add_argument("--model-dir", type=Path, default=None, help="the embedder's model (default: the shipped one)")
     args = parser.parse_args()
     prompts = load()
     feats = [features(p.text) for p in prompts]
+    if args.embedding:
+        x, identity = embed(prompts, args.model_dir)
+        head = train_head(prompts, feats, x, identity)
+        args.head_out.parent.mkdir(parents=True, exist_ok=True)
+        args.head_out.write_text(json.dumps(head, separators=(",", ":")) + "\n")
+        print(f"wrote {args.head_out} ({args.head_out.stat().st_size // 1024} KiB, embedder {identity})")
+        print(json.dumps(head["info"], indent=1))
+        return
     logits = out_of_fold(prompts, feats, CALIBRATION_PROTOCOL)
     scale, shift, t_small, t_large = calibration(logits, prompts)
     final = train_final(prompts, feats)

@@ -64,7 +64,7 @@ def test_reasons_are_the_features_that_moved_the_score() -> None:
     assert c.tier == "large"
     assert c.reasons and all(r[0] in "+-" and ":" in r for r in c.reasons)
     assert c.reasons[0].startswith("+")
-    assert c.header() == f"score={c.score:.2f}; {','.join(c.reasons)}"
+    assert c.header() == f"score={c.score:.2f}; ngram; {','.join(c.reasons)}"
     model = default_model()
     _, contributions = model.logit(features("Compute the integral of x^2 * sin(x) dx from 0 to pi."))
     top = max(contributions, key=lambda kv: abs(kv[1]))

@@ -1,15 +1,18 @@
-"""The router: tier choice, fallback chains, the retry budget, room-aware picks, log fields."""
+"""The router: tier choice (and what the classifier embeds), fallback chains, the retry budget,
+room-aware picks, log fields."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from common.breaker import BreakerConfig, CircuitBreaker
 from replicas.replica import Replica, ReplicaState
 from routing.config import CapacitySettings, RetryBudgetSettings, RoutingSettings
+from routing.embedding_head import EmbeddingHead
 from routing.metrics import RoutingMetrics
 from routing.policies import LeastRequests, PrefixAffinity, RoundRobin
 from routing.router import DEADLINE, EXHAUSTED, NO_REPLICA, RETRY_BUDGET, PoolSpec, Router, make_policy
@@ -297,3 +300,60 @@ def test_next_attempt_is_a_replica_or_why_there_is_none() -> None:
     # A first attempt is never stopped by the deadline or the budget; only by no replica.
     empty, _ = build([PoolSpec("e", "t")], {"e": [replica("e", 0, ReplicaState.DOWN)]})
     assert empty.route("e", chat("hi"), 10, 10).next_attempt(9.0, set(), 0, 5.0) == NO_REPLICA
+
+
+def head_router(embedding: str, specs: list[PoolSpec] = TIERED) -> tuple[Router, CollectorRegistry]:
+    """A tiered router with a one-weight embedding head (score = sigmoid(4 * v[0] - 2))."""
+    settings = RoutingSettings(classifier={"embedding": embedding})  # type: ignore[arg-type]
+    registry = CollectorRegistry()
+    head = EmbeddingHead(np.array([4.0, 0.0]), -2.0, 0.0, 0.0, 1.0, 0.0, "e")
+    replicas = {s.model: [replica(s.model, 0)] for s in specs}
+    router = Router.build(
+        settings,
+        specs,
+        replicas,
+        rng=random.Random(1),
+        clock=lambda: 0.0,
+        metrics=RoutingMetrics(registry, settings.policy),
+        head=head,
+    )
+    return router, registry
+
+
+def test_text_to_embed_by_setting() -> None:
+    body = chat("  Write a shell script that configures a samba server.  ")
+    shared = "Write a shell script that configures a samba server."
+    auto, _ = head_router("auto")
+    # auto: only the text the semantic cache embeds anyway.
+    assert auto.text_to_embed(body, shared, None, ()) == shared
+    assert auto.text_to_embed(body, None, None, ()) is None
+    always, _ = head_router("always")
+    assert always.text_to_embed(body, None, None, ()) == shared  # embedding_text: stripped
+    assert always.text_to_embed(chat("   "), None, None, ()) is None
+    never, _ = head_router("never")
+    assert never.text_to_embed(body, shared, None, ()) is None
+    # A forced tier the tenant may force makes the score moot: nothing to embed.
+    assert always.text_to_embed(body, None, "large", ("large",)) is None
+    assert always.text_to_embed(body, None, "large", ()) == shared
+    # No tier has a model: nothing is classified.
+    untiered, _ = head_router("always", [PoolSpec("m", "default")])
+    assert untiered.text_to_embed(body, shared, None, ()) is None
+
+
+def test_choose_tier_with_a_vector_uses_the_head_and_counts_heads() -> None:
+    router, registry = head_router("auto")
+    hard = router.choose_tier(chat("hi"), None, (), np.array([1.0, 0.0], dtype=np.float32))
+    assert hard is not None and hard.classification.head == "embedding"
+    # sigmoid(4 - 2) = 0.881: large, whatever the n-gram model thinks of "hi".
+    assert (hard.tier, hard.model, hard.classification.score) == ("large", "l", 0.881)
+    assert hard.header() == "score=0.88; embedding(emb+2.00); none; tier=large; classified"
+    late = router.choose_tier(chat("hi"), None, (), None, "timeout")
+    assert late is not None and late.classification.head == "ngram" and late.tier == "small"
+    assert "; ngram(timeout); " in late.header()
+
+    def count(head: str, fallback: str) -> float | None:
+        return registry.get_sample_value(
+            "fleetgate_routing_classifier_heads_total", {"head": head, "fallback": fallback}
+        )
+
+    assert count("embedding", "none") == 1 and count("ngram", "timeout") == 1

@@ -1,0 +1,137 @@
+"""The complexity classifier's embedding head: a logistic model over a sentence embedding.
+
+The semantic cache embeds a request's text to compare it by meaning (all-MiniLM-L6-v2 with
+the shipped layers, 384 dimensions). The same vector says a good deal about how hard the
+ask is, and better than words do on prompts written by people the model never read
+(``bench/results/classifier.md``): a short technical ask with no word any training prompt
+used still lands near other technical asks. When a request's vector is at hand the head
+scores it; the n-gram model (``routing.classifier``) scores everything else.
+
+The logit is ``weights . vector + ngram_weight * ngram_logit + length_weight *
+log1p(characters) + bias``, calibrated like the n-gram model's (``scale * logit + shift``
+through a sigmoid) so that the same tier boundaries hold for both heads. ``ngram_weight``
+and ``length_weight`` are what training found worth adding (zero when they did not help on
+held-out sources). Everything is in ``routing/data/classifier-embedding.json``, written by
+``scripts/train_classifier.py --embedding``, with the identity of the embedder whose
+vectors it was trained on: vectors of another model (``cache.semantic.model_dir`` of one's
+own) mean something else, and the head refuses them (``accepts``).
+
+Cost: one dot product over 384 floats, a few microseconds. The embedding itself (~5 ms of
+CPU) is the semantic cache's, computed off the event loop; see docs/routing.md for when a
+classified request pays for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+HEAD_FORMAT = 1
+DEFAULT_HEAD = "classifier-embedding.json"
+# The text embedded for classification is cut here: the model reads its first 256 word
+# pieces (~1,000 characters of English, fewer of code), so 4096 characters lose nothing it
+# would read, and tokenising a pasted document costs nothing extra.
+EMBED_MAX_CHARS = 4096
+
+
+class EmbeddingHeadError(ValueError):
+    """The embedding head's file is missing, unreadable or of another format."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLogit:
+    """The head's logit, and the parts it is the sum of (for the debug header)."""
+
+    total: float
+    embedding: float  # weights . vector + bias
+    ngram: float  # ngram_weight * the n-gram model's logit
+    length: float  # length_weight * log1p(characters)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingHead:
+    """Weights over the embedding, the extra inputs' weights, the calibration, and whose vectors."""
+
+    weights: npt.NDArray[np.float64]
+    bias: float
+    ngram_weight: float
+    length_weight: float
+    scale: float
+    shift: float
+    embedder: str  # identity of the embedder the head was trained on (``Embedder.identity``)
+
+    @property
+    def dimension(self) -> int:
+        return int(self.weights.shape[0])
+
+    @property
+    def uses_ngrams(self) -> bool:
+        return self.ngram_weight != 0.0
+
+    def accepts(self, identity: str, dimension: int) -> bool:
+        """Whether vectors of this embedder are the ones the head was trained on."""
+        return identity == self.embedder and dimension == self.dimension
+
+    def logit(self, vector: npt.NDArray[np.floating], ngram_logit: float, chars: int) -> HeadLogit:
+        embedding = float(np.dot(self.weights, vector)) + self.bias
+        ngram = self.ngram_weight * ngram_logit
+        length = self.length_weight * math.log1p(chars)
+        return HeadLogit(embedding + ngram + length, embedding, ngram, length)
+
+    def score(self, logit: float) -> float:
+        z = self.scale * logit + self.shift
+        if z >= 0:
+            return 1.0 / (1.0 + math.exp(-z))
+        e = math.exp(z)
+        return e / (1.0 + e)
+
+
+def embedding_text(instruction: str) -> str:
+    """The text embedded for classification: the instruction, stripped, at most ``EMBED_MAX_CHARS``.
+
+    Stripped as the semantic cache strips its text, so that a request the cache embeds is
+    embedded once for both.
+    """
+    return instruction.strip()[:EMBED_MAX_CHARS]
+
+
+def load_head(path: str | Path | None = None) -> EmbeddingHead:
+    """Read a head file (the shipped one by default)."""
+    try:
+        if path is None:
+            raw = resources.files("routing").joinpath("data", DEFAULT_HEAD).read_text()
+        else:
+            raw = Path(path).read_text()
+        data = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise EmbeddingHeadError(f"cannot read the classifier's embedding head: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != HEAD_FORMAT:
+        raise EmbeddingHeadError(f"the classifier's embedding head is not format {HEAD_FORMAT}")
+    try:
+        weights = np.asarray([float(w) for w in data["weights"]], dtype=np.float64)
+        if weights.ndim != 1 or weights.size == 0:
+            raise ValueError("no weights")
+        return EmbeddingHead(
+            weights,
+            float(data["bias"]),
+            float(data["ngram_weight"]),
+            float(data["length_weight"]),
+            float(data["scale"]),
+            float(data["shift"]),
+            str(data["embedder"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise EmbeddingHeadError(f"the classifier's embedding head is malformed: {exc}") from exc
+
+
+@functools.cache
+def default_head() -> EmbeddingHead:
+    """The shipped head, read once."""
+    return load_head()
