@@ -54,6 +54,7 @@ from limits.limiter import LimiterOptions, create_limiter
 from limits.metrics import LimitsMetrics
 from replicas.credentials import CredentialError
 from replicas.fleet import Fleet
+from routing.embedding_head import EmbeddingHeadError, load_head
 from routing.metrics import QueueCollector, RoutingMetrics
 from routing.router import PoolSpec, Router
 
@@ -95,7 +96,9 @@ class Gateway:
             settings.redis_url,
             settings.cache,
             CacheMetrics(self.metrics.registry),
-            start_semantic=any(t.cache.enabled and t.cache.semantic.enabled for t in settings.tenants),
+            # The embedder also loads at start for a classifier told to embed every auto request.
+            start_semantic=any(t.cache.enabled and t.cache.semantic.enabled for t in settings.tenants)
+            or settings.routing.classifier.embedding == "always",
             security=redis_security,
         )
         ls = settings.limits
@@ -123,6 +126,11 @@ class Gateway:
         # clients move to other pods before the listener closes (gateway.cli.serve).
         self.draining = False
         self.routing_metrics = RoutingMetrics(self.metrics.registry, settings.routing.policy)
+        classifier = settings.routing.classifier
+        try:
+            head = None if classifier.embedding == "never" else load_head(classifier.embedding_head_path)
+        except EmbeddingHeadError as exc:
+            raise ConfigError(f"routing.classifier.embedding_head_path: {exc}") from exc
         self.router = Router.build(
             settings.routing,
             [PoolSpec(m.name, m.tier, tuple(m.fallback), m.capacity) for m in settings.models],
@@ -130,6 +138,7 @@ class Gateway:
             rng=self.rng,
             clock=clock,
             metrics=self.routing_metrics,
+            head=head,
         )
         self.metrics.registry.register(QueueCollector(self.router.depths))
         self.pending = PendingTokens(m.name for m in settings.models)

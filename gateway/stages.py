@@ -2,8 +2,9 @@
 
     authenticate   API key -> tenant                                  401
     parse          read the body, validate it -> Call                 400 / 408 / 413
-    classify       model ("auto" -> a tier's model), context length,  400 / 404
-                   the request's Route (its picker)
+    classify       model ("auto" -> a tier's model; its text embedded   400 / 404
+                   first when the embedding head scores it), context
+                   length, the request's Route (its picker)
     admit          rate limits, concurrency, token quotas             429 (503: limit store down)
     look_up_cache  exact then semantic answer, or the same request    hit: replayed here
                    in flight (only when some tenant uses the cache)
@@ -13,7 +14,9 @@
                    publish and keep the answer for the cache
 
 Classification runs before admission: an unknown model needs no admission, and the model
-that answers is part of the cache key. After the last stage, ``gateway.accounting`` settles
+that answers is part of the cache key. So the embedding an ``auto`` request's semantic
+lookup needs is computed here, for the classifier, and the lookup finds it in the
+semantic cache's memo. After the last stage, ``gateway.accounting`` settles
 limits, counts and logs, however the request ended.
 
 Each stage is a plain method over the request's ``Exchange`` returning ``CONTINUE`` (None)
@@ -26,6 +29,7 @@ both the same way. The list is built once from the settings, again on a reload o
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,6 +42,7 @@ from cache.coalesce import Leader
 from cache.entry import CachedCompletion
 from cache.keys import endpoint_kind
 from cache.replay import new_completion_id, replay_json, replay_sse
+from cache.semantic.vector_index import Vector
 from cache.service import CacheHit, ResponseCache
 from gateway.auth import KeyRing
 from gateway.autoscale import PendingTokens
@@ -64,6 +69,8 @@ from routing import saturation
 from routing.admission import Admitted
 from routing.metrics import RoutingMetrics
 from routing.router import Route, Router, TierChoice
+
+log = logging.getLogger("fleetgate.routing")
 
 # What a stage returns: CONTINUE, or the local reply that ends the request's path here.
 Reply: TypeAlias = web.StreamResponse | GatewayError | None
@@ -102,6 +109,7 @@ class Stages:
         self.clock = clock
         self.default_model = settings.default_model or settings.models[0].name
         self.max_model_len = {m.name: m.max_model_len for m in settings.models if m.max_model_len is not None}
+        self._warned_mismatch = False
         uses_cache = any(t.cache.enabled for t in tenants.values())
         # The request's path, top to bottom.
         self.path: tuple[Stage, ...] = (
@@ -141,8 +149,7 @@ class Stages:
         name = call.model
         choice: TierChoice | None = None
         if (name == "auto" or name in tenant.classify_models) and call.endpoint is not Endpoint.EMBEDDINGS:
-            forced = request.headers.get(TIER_HEADER)
-            choice = self.router.choose_tier(call.body, forced, self._forcible(tenant) if forced else ())
+            choice = await self._choose_tier(ex, request, tenant)
         if choice is not None:
             model = choice.model
             if self.settings.routing.debug_header:
@@ -284,6 +291,44 @@ class Stages:
             raise PayloadTooLarge(f"The request body is larger than the {limit}-byte limit.") from exc
         except TimeoutError as exc:
             raise RequestTimeout("The request body did not arrive in time.") from exc
+
+    async def _choose_tier(self, ex: Exchange, request: web.Request, tenant: TenantSettings) -> TierChoice | None:
+        """The classified request's tier: the text embedded first when the embedding head is
+        to score it (``Router.text_to_embed``), else the n-gram model alone."""
+        body = ex.call.body
+        forced = request.headers.get(TIER_HEADER)
+        allowed = self._forcible(tenant) if forced else ()
+        vector, fallback, text = None, "", None
+        if self.router.head is not None:  # routing.classifier.embedding is not "never"
+            cache_control = request.headers.get("Cache-Control")
+            shared = self.cache.semantic_text(ex.endpoint, body, tenant.cache, cache_control)
+            text = self.router.text_to_embed(body, shared, forced, allowed)
+        if text is not None:
+            vector, fallback = await self._embedding(text)
+        return self.router.choose_tier(body, forced, allowed, vector, fallback)
+
+    async def _embedding(self, text: str) -> tuple[Vector | None, str]:
+        """``text``'s embedding for the classifier's embedding head, or None and why not.
+
+        It is the semantic cache's embedder, through the cache's memo: the lookup (and the
+        store) of the same text afterwards reuses this vector instead of embedding again.
+        The wait is bounded by ``cache.semantic.embed_timeout_ms``; past it, or with the
+        embedder overloaded or not loaded, the n-gram model classifies.
+        """
+        semantic, head = self.cache.semantic, self.router.head
+        if semantic is None or not semantic.ready or head is None:
+            return None, "unavailable"
+        embedder = semantic.embedder
+        if embedder is None or not head.accepts(semantic.identity, embedder.dimension):
+            if not self._warned_mismatch:
+                self._warned_mismatch = True
+                log.warning(
+                    "the classifier's embedding head was trained on another embedder's vectors; "
+                    "classifying with n-grams (set routing.classifier.embedding_head_path)",
+                    extra={"embedder": semantic.identity, "head_embedder": head.embedder},
+                )
+            return None, "mismatch"
+        return await semantic.vector(text, semantic.settings.embed_timeout_s)
 
     def _forcible(self, tenant: TenantSettings) -> tuple[str, ...] | list[str]:
         """Tiers the tenant may force with the request header."""
