@@ -1,18 +1,23 @@
 """Evaluate the complexity classifier on public prompts, out of source; writes bench/results/classifier.md.
 
-    .venv/bin/python -m bench.classifier                 # needs ../shared/data and scikit-learn
-    .venv/bin/python -m bench.classifier --embedding     # also the sentence-embedding candidates
+    .venv/bin/python -m bench.classifier              # needs ../shared/data, scikit-learn and the semantic extra
+    .venv/bin/python -m bench.classifier --ngram-only # the n-gram model alone (no embedding model needed)
 
 The prompts and their hard/easy/middle labels are ``bench.classifier_data``'s. For each fold
 protocol of ``scripts/train_classifier.py`` (``sources``: leave-one-source-out; ``easy-sources``:
 every easy source held out with a random share of the hard prompts; ``random``), every
 labelled prompt is scored by a model trained without its fold, through the shipped model's
 calibration, and the out-of-fold scores are pooled: a held-out source of one class alone has
-no AUC. Reported on the same prompts: AUC hard vs easy of the learned score, of prompt
-length in characters and of the old keyword rule (``bench.classifier_keywords``); the tier
-confusion at the default boundaries; each held-out group's tiers. The middle kinds (never
-trained on) are scored by a model trained on every labelled prompt. Cost: single
-``classify`` calls on every prompt, ``REPEATS`` times, wall and thread CPU time (``timing``).
+no AUC. Three classifiers: the n-gram model, the embedding head (``routing.embedding_head``,
+its recipe ``scripts.train_classifier.HeadRecipe``), and the two as the gateway mixes them
+when the semantic cache is what embeds (``embedding: auto``): the head for texts the cache
+embeds (at most ``cache.semantic.max_text_chars``), n-grams for longer ones. Reported on the
+same prompts: AUC hard vs easy, of prompt length in characters and of the old keyword rule
+(``bench.classifier_keywords``); the tier confusion at the default boundaries; each held-out
+group's tiers. The middle kinds (never trained on) are scored by models trained on every
+labelled prompt. Candidates: the head's recipes (length, n-gram logit) side by side. Cost:
+single ``classify`` calls on every prompt, ``REPEATS`` times, wall and thread CPU time
+(``timing``), with and without a vector; and the embedding itself, one text at a time.
 """
 
 from __future__ import annotations
@@ -40,12 +45,40 @@ from routing.classifier import (
     default_model,
     features,
 )
-from scripts.train_classifier import CALIBRATION_PROTOCOL, out_of_fold, train_final
+from routing.embedding_head import EmbeddingHead, default_head, embedding_text
+from scripts.train_classifier import (
+    CALIBRATION_PROTOCOL,
+    HEAD_CALIBRATION_PROTOCOL,
+    HEAD_EASY_QUANTILE,
+    HEAD_HARD_QUANTILE,
+    HeadRecipe,
+    embed,
+    head_out_of_fold,
+    lengths_of,
+    out_of_fold,
+    train_final,
+    train_final_head,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "classifier.md"
 PROTOCOLS = ("sources", "easy-sources", "random")
 REPEATS = 20
+# The semantic cache's default max_text_chars: longer texts it does not embed (``embedding: auto``).
+CACHE_MAX_TEXT_CHARS = 1000
+# Texts embedded one at a time for the embedding's own cost.
+EMBED_COST_SAMPLE = 300
+# The head's recipes compared (``scripts.train_classifier.HeadRecipe``).
+RECIPES = (
+    ("embedding", HeadRecipe(length=False, ngram_weight=0.0)),
+    ("embedding + log length", HeadRecipe(length=True, ngram_weight=0.0)),
+    ("embedding + n-gram logit", HeadRecipe(length=False, ngram_weight=1.0)),
+    ("embedding + n-gram logit x 0.5", HeadRecipe(length=False, ngram_weight=0.5)),
+    ("embedding + log length + n-gram logit", HeadRecipe(length=True, ngram_weight=1.0)),
+    ("embedding, C = 1", HeadRecipe(length=False, ngram_weight=0.0, c=1.0)),
+    ("embedding, C = 3", HeadRecipe(length=False, ngram_weight=0.0, c=3.0)),
+    ("embedding + log length, C = 1", HeadRecipe(length=True, ngram_weight=0.0, c=1.0)),
+)
 TIERS = [t.name for t in DEFAULT_TIERS]
 
 
@@ -84,6 +117,7 @@ def tiers_row(scores: Sequence[float]) -> str:
 
 
 def auc_rows(prompts: Sequence[Prompt], idx: Sequence[int], scores: np.ndarray, title: str) -> list[str]:
+    """``| title | hard / easy | AUC | length | AUC - length | keyword rule | hard -> large | easy -> small |``."""
     hard = [i for i in idx if prompts[i].label == HARD]
     easy = [i for i in idx if prompts[i].label == EASY]
     length = {i: float(len(prompts[i].text)) for i in idx}
@@ -97,6 +131,26 @@ def auc_rows(prompts: Sequence[Prompt], idx: Sequence[int], scores: np.ndarray, 
         f"| {title} | {len(hard)} / {len(easy)} | **{learned:.3f}** | {by_length:.3f} | {learned - by_length:+.3f} | "
         f"{by_keywords:.3f} | {large:.0%} | {small:.0%} |"
     ]
+
+
+def bars(prompts: Sequence[Prompt], idx: Sequence[int], scores: np.ndarray, cpu_p99_us: float, name: str) -> str:
+    """One sentence against issue 19's bars for ``scores`` (the ``sources`` folds), with the figures."""
+    hard = [i for i in idx if prompts[i].label == HARD]
+    easy = [i for i in idx if prompts[i].label == EASY]
+    learned = auc(scores[hard], scores[easy])
+    by_length = auc([float(len(prompts[i].text)) for i in hard], [float(len(prompts[i].text)) for i in easy])
+    large = float(np.mean([tier_of(scores[i]) == "large" for i in hard]))
+    small = float(np.mean([tier_of(scores[i]) == "small" for i in easy]))
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    return (
+        f"{name}: AUC {learned:.3f} >= 0.85 {verdict(learned >= 0.85)}; {learned - by_length:+.3f} over length "
+        f"({by_length:.3f}), bar +0.08 {verdict(learned - by_length >= 0.08)}; hard -> large {large:.0%} "
+        f"{verdict(large >= 0.5)}; easy -> small {small:.0%} {verdict(small >= 0.8)}; classification CPU p99 "
+        f"{cpu_p99_us:.0f} µs {verdict(cpu_p99_us <= 1000)}."
+    )
 
 
 def confusion(prompts: Sequence[Prompt], idx: Sequence[int], scores: np.ndarray) -> list[str]:
@@ -127,8 +181,8 @@ class Cost:
     worst_median: float  # the slowest prompt's median wall time
 
 
-def timing(texts: Sequence[str], score: Callable[[dict[str, Any]], object]) -> Cost:
-    """Every prompt ``REPEATS`` times, one call at a time.
+def timing(texts: Sequence[str], score: Callable[[int, dict[str, Any]], object]) -> Cost:
+    """Every prompt ``REPEATS`` times, one call at a time (``score(index, body)``).
 
     Wall time (``perf_counter_ns``) includes whatever the scheduler does to this process on
     a shared machine; CPU time (``thread_time_ns``) is what the call itself costs.
@@ -139,7 +193,7 @@ def timing(texts: Sequence[str], score: Callable[[dict[str, Any]], object]) -> C
     for _ in range(REPEATS):
         for i, body in enumerate(bodies):
             start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
-            score(body)
+            score(i, body)
             cpu.append(time.thread_time_ns() - start_cpu)
             wall[i].append(time.perf_counter_ns() - start)
     walls = sorted(ns for runs in wall for ns in runs)
@@ -152,46 +206,53 @@ def timing(texts: Sequence[str], score: Callable[[dict[str, Any]], object]) -> C
     return Cost(pct(walls, 0.5), pct(walls, 0.99), pct(cpu, 0.5), pct(cpu, 0.99), worst)
 
 
-def embedding_rows(prompts: Sequence[Prompt], ngram: dict[str, np.ndarray]) -> list[str]:
-    """The sentence-embedding head and the combination, same folds (needs the semantic extra)."""
+def embedding_cost(texts: Sequence[str]) -> Cost:
+    """The embedding of one text at a time, as an idle gateway's embedder runs it: the model
+    call in the calling thread (wall and CPU), each text once after a warm-up."""
     import asyncio
 
-    from sklearn.linear_model import LogisticRegression
-
     from cache.semantic.embedder import SentenceTransformerEmbedder
-    from scripts.train_classifier import folds, group_weights
 
-    async def embed() -> np.ndarray:
-        async with SentenceTransformerEmbedder(max_batch_size=64) as e:
-            parts = [await e.embed([p.text for p in prompts[i : i + 64]]) for i in range(0, len(prompts), 64)]
-        return np.concatenate(parts)
+    async def run() -> Cost:
+        async with SentenceTransformerEmbedder() as e:
+            e._embed_now(texts[:8])
+            wall: list[int] = []
+            cpu: list[int] = []
+            for text in texts:
+                start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+                e._embed_now([text])
+                cpu.append(time.thread_time_ns() - start_cpu)
+                wall.append(time.perf_counter_ns() - start)
+        wall.sort()
+        cpu.sort()
 
-    x = asyncio.run(embed())
-    train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
-    y = np.array([int(p.label == HARD) for p in prompts])
-    g = [p.group for p in prompts]
-    lines = []
-    for protocol in PROTOCOLS:
-        emb = np.full(len(prompts), np.nan)
-        for held in folds(prompts, protocol):
-            out = set(held)
-            rest = [i for i in train if i not in out]
-            clf = LogisticRegression(C=1.0, max_iter=3000)
-            clf.fit(x[rest], y[rest], sample_weight=group_weights(list(y[rest]), [g[i] for i in rest]))
-            emb[held] = clf.decision_function(x[held])
-        both = emb + ngram[protocol]
-        hard = [i for i in train if y[i] == 1]
-        easy = [i for i in train if y[i] == 0]
-        lines.append(
-            f"| {protocol} | {auc(emb[hard], emb[easy]):.3f} | {auc(both[hard], both[easy]):.3f} | "
-            f"{auc(ngram[protocol][hard], ngram[protocol][easy]):.3f} |"
+        def pct(xs: list[int], q: float) -> float:
+            return xs[min(len(xs) - 1, int(len(xs) * q))] / 1000
+
+        return Cost(pct(wall, 0.5), pct(wall, 0.99), pct(cpu, 0.5), pct(cpu, 0.99), wall[-1] / 1000)
+
+    return asyncio.run(run())
+
+
+def head_scores(head: EmbeddingHead, logits: np.ndarray) -> np.ndarray:
+    return np.array([head.score(v) if not np.isnan(v) else np.nan for v in logits])
+
+
+def cost_row(name: str, c: Cost, unit: str = "µs") -> str:
+    if unit == "ms":
+        return (
+            f"| {name} | {c.wall_p50 / 1000:.2f} ms | {c.wall_p99 / 1000:.2f} ms | {c.cpu_p50 / 1000:.2f} ms | "
+            f"{c.cpu_p99 / 1000:.2f} ms | {c.worst_median / 1000:.2f} ms |"
         )
-    return lines
+    return (
+        f"| {name} | {c.wall_p50:.1f} µs | {c.wall_p99:.1f} µs | {c.cpu_p50:.1f} µs | {c.cpu_p99:.1f} µs | "
+        f"{c.worst_median:.1f} µs |"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--embedding", action="store_true", help="also the sentence-embedding candidates")
+    parser.add_argument("--ngram-only", action="store_true", help="leave the embedding head out")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     if not available():
@@ -203,8 +264,42 @@ def main() -> None:
     arena = [i for i in labelled if prompts[i].label == EASY or prompts[i].group.startswith("arena-hard/")]
     retrained = train_final(prompts, feats)
     fresh = LinearModel(retrained.weights, retrained.bias, shipped.scale, shipped.shift)
-    middle_scores = np.array([fresh.score(fresh.logit(f)[0]) for f in feats])
-    logits: dict[str, np.ndarray] = {}
+    ngram_all = np.array([fresh.logit(f)[0] for f in feats])
+    ngram_logits = {protocol: out_of_fold(prompts, feats, protocol) for protocol in PROTOCOLS}
+    ngram_scores = {protocol: head_scores_of(shipped, ngram_logits[protocol]) for protocol in PROTOCOLS}
+    middle: dict[str, np.ndarray] = {"n-gram": np.array([fresh.score(v) for v in ngram_all])}
+    scores: dict[str, dict[str, np.ndarray]] = {"n-gram": ngram_scores}
+    head: EmbeddingHead | None = None
+    candidates: list[str] = []
+    embed_s = 0.0
+    if not args.ngram_only:
+        head = default_head()
+        started = time.perf_counter()
+        x, identity = embed(prompts)
+        embed_s = time.perf_counter() - started
+        if identity != head.embedder:
+            raise SystemExit(f"the shipped head was trained on embedder {head.embedder}, this one is {identity}")
+        recipe = HeadRecipe(length=head.length_weight != 0.0, ngram_weight=head.ngram_weight)
+        head_logits = {p: head_out_of_fold(prompts, x, ngram_logits[p], p, recipe) for p in PROTOCOLS}
+        scores["embedding head"] = {p: head_scores(head, head_logits[p]) for p in PROTOCOLS}
+        cached = np.array([len(embedding_text(p.text)) <= CACHE_MAX_TEXT_CHARS for p in prompts])
+        scores["head where the cache embeds, else n-gram"] = {
+            p: np.where(cached, scores["embedding head"][p], ngram_scores[p]) for p in PROTOCOLS
+        }
+        final = train_final_head(prompts, x, recipe)
+        middle["embedding head"] = head_scores(head, final.logits(x, lengths_of(prompts), ngram_all))
+        middle["head where the cache embeds, else n-gram"] = np.where(
+            cached, middle["embedding head"], middle["n-gram"]
+        )
+        hard = [i for i in labelled if prompts[i].label == HARD]
+        easy = [i for i in labelled if prompts[i].label == EASY]
+        for name, r in RECIPES:
+            row = [name]
+            for p in PROTOCOLS:
+                logits = head_out_of_fold(prompts, x, ngram_logits[p], p, r)
+                row.append(f"{auc(logits[hard], logits[easy]):.3f}")
+            candidates.append("| " + " | ".join(row) + " |")
+        short = int(cached[labelled].sum())
     lines = [
         "# Complexity classifier",
         "",
@@ -214,81 +309,135 @@ def main() -> None:
         f"{len(labelled)} labelled prompts ({sum(prompts[i].label == HARD for i in labelled)} hard, "
         f"{sum(prompts[i].label == EASY for i in labelled)} easy) and "
         f"{sum(p.label == MIDDLE for p in prompts)} middle ones (never trained on). Scores are out of fold "
-        "(each prompt scored by a model trained without its fold) through the shipped calibration; "
-        f"the default boundaries come from the `{CALIBRATION_PROTOCOL}` folds "
-        "(`scripts/train_classifier.py`).",
+        "(each prompt scored by a model trained without its fold) through the shipped calibrations; "
+        f"the n-gram model's default boundaries come from its `{CALIBRATION_PROTOCOL}` folds, the embedding "
+        f"head's from its `{HEAD_CALIBRATION_PROTOCOL}` folds ({HEAD_EASY_QUANTILE:.0%} of easy prompts below "
+        f"0.3, {1 - HEAD_HARD_QUANTILE:.0%} of hard ones above 0.55, every group weighing the same; "
+        "`scripts/train_classifier.py`).",
+        "",
+        "Classifiers: **n-gram** (`routing/data/classifier.json`); **embedding head** "
+        "(`routing/data/classifier-embedding.json`, over the semantic cache's all-MiniLM-L6-v2 vector"
+        + (
+            f", recipe: length {'on' if head.length_weight else 'off'}, n-gram logit weight {head.ngram_weight:g}"
+            if head is not None
+            else ""
+        )
+        + "); **head where the cache embeds, else n-gram**: what `routing.classifier.embedding: auto` gives "
+        f"a tenant with the semantic cache on, which embeds texts of at most {CACHE_MAX_TEXT_CHARS} characters"
+        + (f" ({short} of the {len(labelled)} labelled prompts)" if head is not None else "")
+        + "; `always` gives the embedding head on every prompt.",
         "",
         "## AUC hard vs easy, and the bars' tier shares, per fold protocol",
         "",
         "`sources`: every group held out whole (arena-hard coding and maths apart: those folds "
         "learn hard prompts from the other hard kinds only). `easy-sources`: every easy source "
         "held out whole with a random sixth of the hard prompts. `random`: 5 random folds. "
-        '"arena only": the same scores, hard side restricted to arena-hard\'s real-user prompts.',
+        '"arena only": the same scores, hard side restricted to arena-hard\'s real-user prompts. '
+        "Bars (issue 19): AUC >= 0.85 and >= length + 0.08 on held-out sources; hard -> large >= 50%; "
+        "easy -> small >= 80%.",
         "",
-        "| folds | hard / easy | learned | length | learned - length | keyword rule | hard -> large | easy -> small |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| folds | classifier | hard / easy | AUC | length | AUC - length | keyword rule | hard -> large | "
+        "easy -> small |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for protocol in PROTOCOLS:
-        x = out_of_fold(prompts, feats, protocol)
-        logits[protocol] = x
-        scores = np.array([shipped.score(v) if not np.isnan(v) else np.nan for v in x])
-        lines += auc_rows(prompts, labelled, scores, protocol)
-        lines += auc_rows(prompts, arena, scores, f"{protocol}, arena only")
-        if protocol == "sources":
-            source_scores = scores
-    lines += ["", "## Tiers at the default boundaries (`sources` folds, out of fold)", ""]
-    lines += confusion(prompts, labelled, source_scores)
-    lines += ["", "Easy-sources folds (the calibration's):", ""]
-    lines += confusion(prompts, labelled, np.array([shipped.score(v) for v in np.nan_to_num(logits["easy-sources"])]))
+        for subset, suffix in ((labelled, ""), (arena, ", arena only")):
+            for name, by_protocol in scores.items():
+                row = auc_rows(prompts, subset, by_protocol[protocol], f"{protocol}{suffix} | {name}")
+                lines += row
+    for name, by_protocol in scores.items():
+        lines += ["", f"## Tiers at the default boundaries: {name} (out of fold)", "", "`sources` folds:", ""]
+        lines += confusion(prompts, labelled, by_protocol["sources"])
+        lines += ["", "`easy-sources` folds:", ""]
+        lines += confusion(prompts, labelled, np.nan_to_num(by_protocol["easy-sources"]))
     lines += [
         "",
-        "## Each held-out group's tiers (`sources` folds; middle kinds: model trained on all labelled prompts)",
+        "## Each held-out group's tiers (`sources` folds; middle kinds: models trained on all labelled prompts)",
         "",
-        "| group | label | n | " + " | ".join(TIERS) + " |",
-        "| --- | --- | ---: | " + " | ".join("---:" for _ in TIERS) + " |",
+        "| group | label | n | " + " | ".join(f"{name}: {t}" for name in scores for t in TIERS) + " |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in scores for _ in TIERS) + " |",
     ]
-    lines += group_rows(prompts, source_scores, HARD) + group_rows(prompts, source_scores, EASY)
-    lines += group_rows(prompts, middle_scores, MIDDLE)
-    default_model()
+    for label in (HARD, EASY, MIDDLE):
+        for group in sorted({p.group for p in prompts if p.label == label}):
+            idx = [i for i, p in enumerate(prompts) if p.group == group]
+            cells = [tiers_row((middle[name] if label == MIDDLE else scores[name]["sources"])[idx]) for name in scores]
+            lines.append(f"| {group} | {label} | {len(idx)} | " + " | ".join(cells) + " |")
     texts = [p.text for p in prompts]
     load_average = os.getloadavg()[0]
-    learned_cost = timing(texts, classify)
-    rule_cost = timing(texts, keyword_score)
+    costs = [("n-gram (`classify(body)`)", timing(texts, lambda i, body: classify(body)))]
+    if head is not None:
+        vectors = x.astype(np.float32)
+        costs.append(
+            (
+                "embedding head, on a given vector (`classify(body, vector=v)`)",
+                timing(texts, lambda i, body: classify(body, vector=vectors[i], head=head)),
+            )
+        )
+    costs.append(("keyword rule (old)", timing(texts, lambda i, body: keyword_score(body))))
     lines += [
         "",
         f"## Cost per classification ({len(prompts)} prompts x {REPEATS} runs, Python {platform.python_version()}, "
         "one core of a shared 2-core machine)",
         "",
-        "Single calls of `classify` on the whole request body; the head and tail of a prompt only are read "
+        "Single calls on the whole request body; the n-gram model reads the head and tail of a prompt only "
         f"({HEAD_CHARS} + {TAIL_CHARS} characters), so the cost is bounded whatever its size. Wall time includes "
         f"preemption by other processes (load average {load_average:.1f} on 2 cores as timing began); "
-        "CPU time is the calling thread's, the call's own cost.",
+        "CPU time is the calling thread's, the call's own cost. The embedding head's cost is on top of a vector "
+        "already computed.",
         "",
         "| classifier | wall p50 | wall p99 | CPU p50 | CPU p99 | slowest prompt (median wall) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, c in (("learned (shipped)", learned_cost), ("keyword rule (old)", rule_cost)):
-        lines.append(
-            f"| {name} | {c.wall_p50:.1f} µs | {c.wall_p99:.1f} µs | {c.cpu_p50:.1f} µs | {c.cpu_p99:.1f} µs | "
-            f"{c.worst_median:.1f} µs |"
-        )
-    if args.embedding:
+    lines += [cost_row(name, c) for name, c in costs]
+    lines += ["", "## Against the bars (`sources` folds: every kind held out whole)", ""]
+    ngram_cost = costs[0][1].cpu_p99
+    lines.append("- " + bars(prompts, labelled, ngram_scores["sources"], ngram_cost, "n-gram model"))
+    lines.append("- " + bars(prompts, arena, ngram_scores["sources"], ngram_cost, "n-gram model, arena-hard only"))
+    if head is not None:
+        head_cost = costs[1][1].cpu_p99
+        for subset, suffix in ((labelled, ""), (arena, ", arena-hard only")):
+            for name in ("embedding head", "head where the cache embeds, else n-gram"):
+                lines.append("- " + bars(prompts, subset, scores[name]["sources"], head_cost, name + suffix))
         lines += [
             "",
-            "## Candidates: sentence-embedding head and the combination (AUC hard vs easy, same folds)",
-            "",
-            "Logistic regression over the semantic cache's embedding (all-MiniLM-L6-v2 with the shipped "
-            "layers, first 256 word pieces); the combination adds the two logits. The head itself is one "
-            "384-wide dot product (microseconds); the embedding costs 5.1 ms (p50) / 9.9 ms (p99) of CPU per "
-            "query on ONNX Runtime (docs/semantic-cache.md), paid anyway only when the tenant's semantic cache "
-            "is on. Not shipped: see docs/routing.md.",
-            "",
-            "| folds | embedding head | embedding + n-grams | n-grams |",
-            "| --- | ---: | ---: | ---: |",
+            "The embedding head's cost is on top of the vector (the bar's \"on top of an embedding the cache "
+            'computes anyway"); with `embedding: always` and no semantic cache the embedding itself is paid '
+            "too (below).",
         ]
-        lines += embedding_rows(prompts, logits)
+    if head is not None:
+        sample = texts[:: max(1, len(texts) // EMBED_COST_SAMPLE)][:EMBED_COST_SAMPLE]
+        embedding = embedding_cost([embedding_text(t) for t in sample])
+        lines += [
+            "",
+            f"The embedding itself (what `embedding: always` adds to a request the semantic cache does not embed): "
+            f"{len(sample)} prompts of the set, one at a time, in the calling thread (the gateway runs it in the "
+            "embedder's worker thread, off the event loop; under load texts share batches and cost less each). "
+            f"The whole set embedded in batches of 64 took {embed_s:.1f} s here. Load average "
+            f"{os.getloadavg()[0]:.1f} on 2 cores as this began: on a quiet core one query costs 5.1 ms (p50) / "
+            "9.9 ms (p99) of CPU (docs/semantic-cache.md, Latency).",
+            "",
+            "| embedding (all-MiniLM-L6-v2, ONNX Runtime, 1 thread) | wall p50 | wall p99 | CPU p50 | CPU p99 | "
+            "slowest |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            cost_row("one text", embedding, "ms"),
+            "",
+            "## Candidates: the head's recipes (AUC hard vs easy, out of fold)",
+            "",
+            "The vector alone, with log length as an input of the regression, and with the n-gram model's logit "
+            "added (its out-of-fold logit of the same folds, times a fixed weight); all at C = "
+            f"{HeadRecipe().c:g} unless the row says otherwise. The shipped recipe and its C were picked on these "
+            "same `sources` folds: a mild selection on the figures reported.",
+            "",
+            "| recipe | " + " | ".join(PROTOCOLS) + " |",
+            "| --- | " + " | ".join("---:" for _ in PROTOCOLS) + " |",
+            *candidates,
+        ]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def head_scores_of(model: LinearModel, logits: np.ndarray) -> np.ndarray:
+    return np.array([model.score(v) if not np.isnan(v) else np.nan for v in logits])
 
 
 if __name__ == "__main__":
