@@ -86,8 +86,8 @@ class SoakConfig:
     health_timeout_s: float = 1.0
     # The gateway's server.memory_trim_idle_s (its default); None: no idle release.
     memory_trim_idle_s: float | None = 30.0
-    # PYTHONMALLOC for the gateway process only ("malloc": every object from glibc's malloc,
-    # which malloc_trim can return, instead of CPython's arenas); None: CPython's default.
+    # PYTHONMALLOC for the gateway process only ("pymalloc": CPython's arenas); None: the
+    # gateway's own choice (`fleetgate serve` runs on "malloc": common/allocator.py).
     python_malloc: str | None = None
 
     @property
@@ -123,6 +123,8 @@ class SoakResult:
     cpu_s: float = 0.0
     replicas_marked_down: int = 0
     load_average: list[float] = field(default_factory=list)
+    # PYTHONMALLOC as the gateway process was started with (after its own re-execution).
+    allocator: str = "pymalloc"
 
     @property
     def after(self) -> Sample:
@@ -155,6 +157,14 @@ def process_sample(pid: int, started: float, open_streams: int) -> Sample:
             rss_kb = int(line.split()[1])
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     return Sample(round(time.monotonic() - started, 1), rss_kb / 1024, fds, open_streams)
+
+
+def started_allocator(pid: int) -> str:
+    """``PYTHONMALLOC`` in the environment the process was (last) executed with."""
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"PYTHONMALLOC="):
+            return entry.split(b"=", 1)[1].decode()
+    return "pymalloc"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -245,6 +255,38 @@ def fleet(cfg: SoakConfig, workdir: Path) -> Iterator[tuple[str, subprocess.Pope
                 proc.wait()
 
 
+class EventCounter:
+    """A stream's SSE events, counted from its bytes chunk by chunk as they arrive (a reader
+    line by line costs the client a Python iteration per line, and at 5,000 streams the client
+    shares the gateway's cores). An event starts a line after a blank one: the markers begin
+    with the blank line (JSON content cannot hold a raw newline), and the stream is read as if
+    one preceded it. A marker split between two chunks is found with the tail of the previous
+    chunk, counted from one byte less than a marker's length so that no match counts twice."""
+
+    EVENT = b"\n\ndata: "
+    DONE = b"\n\ndata: [DONE]"
+    ERROR = b'\n\ndata: {"error"'
+
+    def __init__(self) -> None:
+        self.data_lines = 0
+        self.finished = False
+        self.errored = False
+        self._tail = b"\n\n"
+
+    def feed(self, chunk: bytes) -> None:
+        block = self._tail + chunk
+        # A match starting before the tail's last len(EVENT) - 1 bytes ended in the previous chunk.
+        self.data_lines += block[max(0, len(self._tail) - len(self.EVENT) + 1) :].count(self.EVENT)
+        self.finished = self.finished or self.DONE in block
+        self.errored = self.errored or self.ERROR in block
+        self._tail = block[-(len(self.ERROR) - 1) :]
+
+    @property
+    def count(self) -> int:
+        """Events, the closing ``[DONE]`` aside."""
+        return self.data_lines - self.finished
+
+
 class Load:
     """Workers that keep one stream each open until told to stop."""
 
@@ -278,19 +320,16 @@ class Load:
                     self.errors[f"status {response.status}"] += 1
                     await response.read()
                     return
-                finished = False
-                async for line in response.content:
-                    if line.startswith(b"data: [DONE]"):
-                        finished = True
-                    elif line.startswith(b"data: "):
-                        self.events += 1
-                        if b'"error"' in line[:20]:
-                            self.errors["error event"] += 1
-                            return
-                if not finished:
+                events = EventCounter()
+                async for chunk in response.content.iter_any():
+                    events.feed(chunk)
+                self.events += events.count
+                if events.errored:
+                    self.errors["error event"] += 1
+                elif not events.finished:
                     self.errors["ended before [DONE]"] += 1
-                    return
-                self.done += 1
+                else:
+                    self.done += 1
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self.errors[type(exc).__name__] += 1
         finally:
@@ -349,6 +388,7 @@ async def run_soak(cfg: SoakConfig, workdir: Path | None = None) -> SoakResult:
         url, gateway, stderr = stack.enter_context(fleet(cfg, workdir))
         started = time.monotonic()
         at_start = process_sample(gateway.pid, started, 0)
+        allocator = started_allocator(gateway.pid)
         async with client_session(50) as session:
             warm = Load(url, SoakConfig(streams=50, max_tokens=3, tokens_per_s=cfg.tokens_per_s), session)
             await asyncio.gather(*(warm.stream_once() for _ in range(50)))
@@ -400,6 +440,7 @@ async def run_soak(cfg: SoakConfig, workdir: Path | None = None) -> SoakResult:
             cpu_s=cpu,
             replicas_marked_down=log.count("replica down"),
             load_average=loads,
+            allocator=allocator,
         )
 
 
@@ -435,7 +476,9 @@ def report(result: SoakResult, command: str, note: str) -> str:
             if cfg.memory_trim_idle_s is None
             else f"after {cfg.memory_trim_idle_s:g} s without a request in flight (server.memory_trim_idle_s)."
         )
-        + ("" if cfg.python_malloc is None else f" Gateway started with PYTHONMALLOC={cfg.python_malloc}.")
+        + f" The gateway ran on PYTHONMALLOC={result.allocator}"
+        + (" (its own choice)." if cfg.python_malloc is None else " (set by --python-malloc).")
+        + (f" Health probe timeout {cfg.health_timeout_s:g} s." if cfg.health_timeout_s != 1.0 else "")
         + f" Baseline: idle after start-up, a warm-up of 50 streams and {cfg.settle_s:g} s without traffic.",
         "",
         "| figure | value |",
@@ -504,7 +547,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trim-idle", type=float, default=30.0, help="the gateway's server.memory_trim_idle_s; 0: no idle release"
     )
-    parser.add_argument("--python-malloc", default=None, help="PYTHONMALLOC for the gateway process (e.g. malloc)")
+    parser.add_argument(
+        "--python-malloc", default=None, help="PYTHONMALLOC for the gateway (pymalloc: CPython's default allocator)"
+    )
+    parser.add_argument("--replicas", type=int, default=2, help="simulated replicas (one process each)")
+    parser.add_argument(
+        "--health-timeout", type=float, default=1.0, help="the gateway's health.timeout_s (1 s: its default)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.md")
     parser.add_argument("--append", action="store_true", help="add to the results file instead of replacing it")
     parser.add_argument("--note", default="", help="a line for the results file (a shortened run says so)")
@@ -519,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds=args.rounds,
         memory_trim_idle_s=args.trim_idle or None,
         python_malloc=args.python_malloc,
+        replicas=args.replicas,
+        health_timeout_s=args.health_timeout,
     )
     import uvloop
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.soak import SoakConfig, run_soak
+from bench.soak import EventCounter, SoakConfig, run_soak
 
 
 async def test_a_short_soak_has_no_errors_and_returns_to_baseline(tmp_path: Path) -> None:
@@ -33,3 +33,24 @@ async def test_a_short_soak_has_no_errors_and_returns_to_baseline(tmp_path: Path
     assert result.after.fds == result.baseline.fds, (result.baseline, result.after)
     assert result.rss_back_ratio <= 0.10, (result.baseline, result.after)
     assert result.loop_lag_p99_s is not None  # the gateway measured its loop throughout
+
+
+def test_the_clients_event_count_holds_wherever_the_bytes_are_split() -> None:
+    # Content that looks like a marker is not one: it is not at the start of a line.
+    event = b'data: {"id":"c","choices":[{"delta":{"content":"data: [DONE]"}}]}\n\n'
+    stream = event * 3 + b"data: [DONE]\n\n"
+    broken = event + b'data: {"error":{"message":"replica failed"}}\n\n'
+    for size in range(1, len(stream) + 1):
+        counter = EventCounter()
+        for at in range(0, len(stream), size):
+            counter.feed(stream[at : at + size])
+        assert (counter.count, counter.finished, counter.errored) == (3, True, False), size
+        unfinished = EventCounter()
+        for at in range(0, len(stream) - 15, size):
+            unfinished.feed(stream[: len(stream) - 15][at : at + size])
+        assert (unfinished.count, unfinished.finished) == (3, False), size
+    for size in range(1, len(broken) + 1):
+        counter = EventCounter()
+        for at in range(0, len(broken), size):
+            counter.feed(broken[at : at + size])
+        assert (counter.count, counter.finished, counter.errored) == (2, False, True), size
