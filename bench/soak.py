@@ -89,6 +89,8 @@ class SoakConfig:
     # PYTHONMALLOC for the gateway process only ("pymalloc": CPython's arenas); None: the
     # gateway's own choice (`fleetgate serve` runs on "malloc": common/allocator.py).
     python_malloc: str | None = None
+    # More environment for the gateway process only (e.g. an allocator to preload).
+    gateway_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def settle_s(self) -> float:
@@ -231,7 +233,9 @@ def fleet(cfg: SoakConfig, workdir: Path) -> Iterator[tuple[str, subprocess.Pope
         path.write_text(yaml.safe_dump(config))
         stderr = workdir / "gateway.stderr"
         with open(stderr, "wb") as err:
-            env = dict(os.environ) if cfg.python_malloc is None else {**os.environ, "PYTHONMALLOC": cfg.python_malloc}
+            env = {**os.environ, **dict(cfg.gateway_env)}
+            if cfg.python_malloc is not None:
+                env["PYTHONMALLOC"] = cfg.python_malloc
             gateway = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--log-dir", str(workdir)],
                 cwd=ROOT,
@@ -253,6 +257,14 @@ def fleet(cfg: SoakConfig, workdir: Path) -> Iterator[tuple[str, subprocess.Pope
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def error_code(body: bytes) -> str:
+    """The ``code`` of an OpenAI error body (why the gateway refused), or ``?``."""
+    try:
+        return str(orjson.loads(body)["error"]["code"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return "?"
 
 
 class EventCounter:
@@ -317,8 +329,7 @@ class Load:
                 self.url + "/v1/chat/completions", data=self.body, headers=headers, timeout=timeout
             ) as response:
                 if response.status != 200:
-                    self.errors[f"status {response.status}"] += 1
-                    await response.read()
+                    self.errors[f"status {response.status} {error_code(await response.read())}"] += 1
                     return
                 events = EventCounter()
                 async for chunk in response.content.iter_any():
@@ -478,6 +489,7 @@ def report(result: SoakResult, command: str, note: str) -> str:
         )
         + f" The gateway ran on PYTHONMALLOC={result.allocator}"
         + (" (its own choice)." if cfg.python_malloc is None else " (set by --python-malloc).")
+        + "".join(f" Gateway environment: {k}={v}." for k, v in cfg.gateway_env)
         + (f" Health probe timeout {cfg.health_timeout_s:g} s." if cfg.health_timeout_s != 1.0 else "")
         + f" Baseline: idle after start-up, a warm-up of 50 streams and {cfg.settle_s:g} s without traffic.",
         "",
@@ -550,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--python-malloc", default=None, help="PYTHONMALLOC for the gateway (pymalloc: CPython's default allocator)"
     )
+    parser.add_argument(
+        "--gateway-env", action="append", default=[], metavar="KEY=VALUE", help="environment for the gateway only"
+    )
     parser.add_argument("--replicas", type=int, default=2, help="simulated replicas (one process each)")
     parser.add_argument(
         "--health-timeout", type=float, default=1.0, help="the gateway's health.timeout_s (1 s: its default)"
@@ -569,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         memory_trim_idle_s=args.trim_idle or None,
         python_malloc=args.python_malloc,
         replicas=args.replicas,
+        gateway_env=tuple((k, v) for k, _, v in (kv.partition("=") for kv in args.gateway_env)),
         health_timeout_s=args.health_timeout,
     )
     import uvloop
