@@ -5,14 +5,17 @@ One command::
     .venv/bin/python -m bench.soak [--streams 5000] [--duration 600] [--idle 90]
 
 Method, all real processes on this machine:
-- two ``fleetgate sim`` replicas (``--tokens-per-s``, ``--ttft-ms 50``; idle keep-alive
+- two ``fleetgate sim`` replicas (``--replicas``; ``--tokens-per-s``, ``--ttft-ms 50``; idle keep-alive
   connections closed after 5 s, so the gateway's pool of idle replica connections drains
   within the idle phase) and one ``fleetgate serve`` process in front of them (one tenant,
   limits on the memory store, access log on, capacity bounds lifted so every stream is
-  admitted at once);
+  admitted at once), on the allocator ``fleetgate serve`` chooses (``--python-malloc``
+  overrides it; ``--gateway-env`` adds to the gateway's environment only);
 - this process (uvloop) holds ``--streams`` streams open at once: each worker opens a chat
   completion stream of ``--max-tokens`` tokens, reads it to ``[DONE]``, and opens the next
-  one, until ``--duration`` has passed; workers start spread over ``--ramp`` seconds;
+  one, until ``--duration`` has passed; workers start spread over ``--ramp`` seconds; a
+  worker whose stream failed pauses 1 s before its next one, as a client's retry would. It
+  counts events in the bytes as they arrive, not line by line (it shares the cores);
 - the gateway's resident set and open descriptors (``/proc``) are sampled every 5 s, through
   the load and the idle phases. The *baseline* is the gateway idle after start-up and a
   warm-up of 50 streams (every code path of a stream has run once: lazy imports, the
@@ -28,8 +31,9 @@ Method, all real processes on this machine:
   a shared machine a starved replica can miss its probes;
 - event-loop lag: the gateway's own ``fleetgate_event_loop_lag_seconds`` histogram (a 0.1 s
   timer, how late it ran), its p99 over the load phase (bucket upper bound);
-- errors: any stream that did not answer 200, ended with an error event, or stopped before
-  ``[DONE]``; plus error lines or tracebacks in the gateway's log.
+- errors: any stream that did not answer 200 (counted with the error body's code), ended
+  with an error event, or stopped before ``[DONE]``; plus error lines or tracebacks in the
+  gateway's log.
 
 Writes bench/results/soak.md (``--out``). ``run_soak`` is also what the test suite runs, in
 a shortened form (tests/integration/test_soak.py).
@@ -65,6 +69,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "soak"
 API_KEY = "sk-soak"
 SAMPLE_EVERY_S = 5.0
+# A worker's pause after a failed stream before its next one.
+RETRY_PAUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -349,7 +355,12 @@ class Load:
     async def worker(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
         while not self.stop.is_set():
+            failed = sum(self.errors.values())
             await self.stream_once()
+            if sum(self.errors.values()) > failed:
+                # A client retries after a pause, as the OpenAI SDKs do: without it, 5,000
+                # workers answered 503 at once retry in a loop that starves the machine.
+                await asyncio.sleep(RETRY_PAUSE_S)
 
     async def run(self, ramp_s: float) -> None:
         n = self.cfg.streams
