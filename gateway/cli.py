@@ -12,7 +12,6 @@ import signal
 import sys
 from pathlib import Path
 
-from common.allocator import run_on_allocator
 from gateway.settings import ConfigError, Settings, hash_key, load_settings, settings_digest
 
 log = logging.getLogger("fleetgate")
@@ -200,10 +199,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if argv is None and args.func is _cmd_serve:
-        # Only for the command line's own process: a caller of main(argv) (a test harness)
-        # would be replaced by the re-execution. Before serving opens or starts anything.
-        run_on_allocator()
     return int(args.func(args))
 
 
