@@ -1,12 +1,12 @@
-"""What the gateway's allocator costs: ``fleetgate serve`` on glibc's malloc (its default,
-common/allocator.py) against CPython's pymalloc, in one run.
+"""What the gateway's allocator costs: ``fleetgate serve`` with ``PYTHONMALLOC=malloc`` (glibc's
+malloc for every object, docs/operations.md#memory) against CPython's pymalloc (its default), in one run.
 
 One command (needs `nginx` and `wrk`, as bench/overhead.py)::
 
     .venv/bin/python -m bench.allocator [--duration 6] [--rounds 5]
 
 Method: bench/overhead.py's setup and load (its functions), with two gateways instead of a
-gateway and a bare proxy: both on core 0, one started as it starts itself (PYTHONMALLOC=malloc),
+gateway and a bare proxy: both on core 0, one with PYTHONMALLOC=malloc,
 one with PYTHONMALLOC=pymalloc; nginx, the SSE upstream and the load generators on core 1.
 Each round measures both, alternating: JSON at concurrency 1 and 32 (wrk), and 16 concurrent
 streams (events relayed per second and the gateway's CPU per event). Reported: medians, and
@@ -39,7 +39,7 @@ from bench.overhead import (
 )
 from replicas.launcher import free_port
 
-ALLOCATORS = {"malloc": {}, "pymalloc": {"PYTHONMALLOC": "pymalloc"}}
+ALLOCATORS = {"malloc": {"PYTHONMALLOC": "malloc"}, "pymalloc": {"PYTHONMALLOC": "pymalloc"}}
 
 
 def figure(value: float) -> str:

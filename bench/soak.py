@@ -9,8 +9,8 @@ Method, all real processes on this machine:
   connections closed after 5 s, so the gateway's pool of idle replica connections drains
   within the idle phase) and one ``fleetgate serve`` process in front of them (one tenant,
   limits on the memory store, access log on, capacity bounds lifted so every stream is
-  admitted at once), on the allocator ``fleetgate serve`` chooses (``--python-malloc``
-  overrides it; ``--gateway-env`` adds to the gateway's environment only);
+  admitted at once), on CPython's default allocator (``--python-malloc malloc``
+  sets another; ``--gateway-env`` adds to the gateway's environment only);
 - this process (uvloop) holds ``--streams`` streams open at once: each worker opens a chat
   completion stream of ``--max-tokens`` tokens, reads it to ``[DONE]``, and opens the next
   one, until ``--duration`` has passed; workers start spread over ``--ramp`` seconds; a
@@ -92,8 +92,8 @@ class SoakConfig:
     health_timeout_s: float = 1.0
     # The gateway's server.memory_trim_idle_s (its default); None: no idle release.
     memory_trim_idle_s: float | None = 30.0
-    # PYTHONMALLOC for the gateway process only ("pymalloc": CPython's arenas); None: the
-    # gateway's own choice (`fleetgate serve` runs on "malloc": common/allocator.py).
+    # PYTHONMALLOC for the gateway process only ("malloc": glibc's malloc for every object);
+    # None: CPython's default (pymalloc, its arenas).
     python_malloc: str | None = None
     # More environment for the gateway process only (e.g. an allocator to preload).
     gateway_env: tuple[tuple[str, str], ...] = ()
@@ -131,7 +131,7 @@ class SoakResult:
     cpu_s: float = 0.0
     replicas_marked_down: int = 0
     load_average: list[float] = field(default_factory=list)
-    # PYTHONMALLOC as the gateway process was started with (after its own re-execution).
+    # PYTHONMALLOC as the gateway process was started with.
     allocator: str = "pymalloc"
 
     @property
