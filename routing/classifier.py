@@ -37,18 +37,17 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import math
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from routing.data_file import read_data_file
 from routing.embedding_head import EmbeddingHead, default_head
 
 MODEL_FORMAT = 1
@@ -171,16 +170,7 @@ def features(text: str) -> set[str]:
 
 def load_model(path: str | Path | None = None) -> LinearModel:
     """Read a model file (the shipped one by default)."""
-    try:
-        if path is None:
-            raw = resources.files("routing").joinpath("data", DEFAULT_MODEL).read_text()
-        else:
-            raw = Path(path).read_text()
-        data = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise ClassifierModelError(f"cannot read the classifier model: {exc}") from exc
-    if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
-        raise ClassifierModelError(f"classifier model is not format {MODEL_FORMAT}")
+    data = read_data_file(path, DEFAULT_MODEL, MODEL_FORMAT, ClassifierModelError, "the classifier model")
     try:
         weights = {str(k): float(v) for k, v in data["weights"].items()}
         return LinearModel(weights, float(data["bias"]), float(data["scale"]), float(data["shift"]))

@@ -24,14 +24,14 @@ classified request pays for it.
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
+from routing.data_file import read_data_file
 
 HEAD_FORMAT = 1
 DEFAULT_HEAD = "classifier-embedding.json"
@@ -104,16 +104,7 @@ def embedding_text(instruction: str) -> str:
 
 def load_head(path: str | Path | None = None) -> EmbeddingHead:
     """Read a head file (the shipped one by default)."""
-    try:
-        if path is None:
-            raw = resources.files("routing").joinpath("data", DEFAULT_HEAD).read_text()
-        else:
-            raw = Path(path).read_text()
-        data = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise EmbeddingHeadError(f"cannot read the classifier's embedding head: {exc}") from exc
-    if not isinstance(data, dict) or data.get("format") != HEAD_FORMAT:
-        raise EmbeddingHeadError(f"the classifier's embedding head is not format {HEAD_FORMAT}")
+    data = read_data_file(path, DEFAULT_HEAD, HEAD_FORMAT, EmbeddingHeadError, "the classifier's embedding head")
     try:
         weights = np.asarray([float(w) for w in data["weights"]], dtype=np.float64)
         if weights.ndim != 1 or weights.size == 0:

@@ -1,0 +1,28 @@
+"""Reading the classifier's data files (its n-gram model, its embedding head)."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+def read_data_file(
+    path: str | Path | None, shipped: str, fmt: int, error: type[ValueError], what: str
+) -> dict[str, Any]:
+    """A classifier data file's JSON object: ``path``, or the ``shipped`` file of ``routing/data``.
+
+    Raises ``error`` when it cannot be read or is not format ``fmt``.
+    """
+    try:
+        if path is None:
+            raw = resources.files("routing").joinpath("data", shipped).read_text()
+        else:
+            raw = Path(path).read_text()
+        data = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise error(f"cannot read {what}: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise error(f"{what} is not format {fmt}")
+    return data
