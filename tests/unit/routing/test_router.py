@@ -26,7 +26,7 @@ def replica(model: str, i: int, state: ReplicaState = ReplicaState.HEALTHY) -> R
 
 
 def build(
-    specs: list[PoolSpec], replicas: dict[str, list[Replica]], **routing: object
+    specs: list[PoolSpec], replicas: dict[str, list[Replica]], head: EmbeddingHead | None = None, **routing: object
 ) -> tuple[Router, CollectorRegistry]:
     settings = RoutingSettings(**routing)  # type: ignore[arg-type]
     registry = CollectorRegistry()
@@ -37,6 +37,7 @@ def build(
         rng=random.Random(1),
         clock=lambda: 0.0,
         metrics=RoutingMetrics(registry, settings.policy),
+        head=head,
     )
     return router, registry
 
@@ -304,20 +305,9 @@ def test_next_attempt_is_a_replica_or_why_there_is_none() -> None:
 
 def head_router(embedding: str, specs: list[PoolSpec] = TIERED) -> tuple[Router, CollectorRegistry]:
     """A tiered router with a one-weight embedding head (score = sigmoid(4 * v[0] - 2))."""
-    settings = RoutingSettings(classifier={"embedding": embedding})  # type: ignore[arg-type]
-    registry = CollectorRegistry()
     head = EmbeddingHead(np.array([4.0, 0.0]), -2.0, 0.0, 0.0, 1.0, 0.0, "e")
     replicas = {s.model: [replica(s.model, 0)] for s in specs}
-    router = Router.build(
-        settings,
-        specs,
-        replicas,
-        rng=random.Random(1),
-        clock=lambda: 0.0,
-        metrics=RoutingMetrics(registry, settings.policy),
-        head=head,
-    )
-    return router, registry
+    return build(specs, replicas, head, classifier={"embedding": embedding})
 
 
 def test_text_to_embed_by_setting() -> None:
