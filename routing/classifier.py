@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from routing.data_file import read_data_file
+from routing.data_file import calibrated, read_data_file
 from routing.embedding_head import EmbeddingHead, default_head
 
 MODEL_FORMAT = 1
@@ -148,11 +148,7 @@ class LinearModel:
         return self.bias + sum(w for _, w in hits) * norm, contributions
 
     def score(self, logit: float) -> float:
-        z = self.scale * logit + self.shift
-        if z >= 0:
-            return 1.0 / (1.0 + math.exp(-z))
-        e = math.exp(z)
-        return e / (1.0 + e)
+        return calibrated(logit, self.scale, self.shift)
 
 
 def features(text: str) -> set[str]:

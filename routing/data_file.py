@@ -1,8 +1,10 @@
-"""Reading the classifier's data files (its n-gram model, its embedding head)."""
+"""What the classifier's two models (the n-gram model, the embedding head) share: reading
+their data files, and the calibration those files carry."""
 
 from __future__ import annotations
 
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,3 +28,13 @@ def read_data_file(
     if not isinstance(data, dict) or data.get("format") != fmt:
         raise error(f"{what} is not format {fmt}")
     return data
+
+
+def calibrated(logit: float, scale: float, shift: float) -> float:
+    """The score in [0, 1] of a model's ``logit``: ``sigmoid(scale * logit + shift)``, without
+    overflow for large ``|z|``. Both models are calibrated so the same tier boundaries hold."""
+    z = scale * logit + shift
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)

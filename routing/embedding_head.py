@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from routing.data_file import read_data_file
+from routing.data_file import calibrated, read_data_file
 
 HEAD_FORMAT = 1
 DEFAULT_HEAD = "classifier-embedding.json"
@@ -86,11 +86,7 @@ class EmbeddingHead:
         return HeadLogit(embedding + ngram + length, embedding, ngram, length)
 
     def score(self, logit: float) -> float:
-        z = self.scale * logit + self.shift
-        if z >= 0:
-            return 1.0 / (1.0 + math.exp(-z))
-        e = math.exp(z)
-        return e / (1.0 + e)
+        return calibrated(logit, self.scale, self.shift)
 
 
 def embedding_text(instruction: str) -> str:
