@@ -499,7 +499,7 @@ def report(result: SoakResult, command: str, note: str) -> str:
             else f"after {cfg.memory_trim_idle_s:g} s without a request in flight (server.memory_trim_idle_s)."
         )
         + f" The gateway ran on PYTHONMALLOC={result.allocator}"
-        + (" (its own choice)." if cfg.python_malloc is None else " (set by --python-malloc).")
+        + (" (CPython's default)." if cfg.python_malloc is None else " (set by --python-malloc).")
         + "".join(f" Gateway environment: {k}={v}." for k, v in cfg.gateway_env)
         + (f" Health probe timeout {cfg.health_timeout_s:g} s." if cfg.health_timeout_s != 1.0 else "")
         + f" Baseline: idle after start-up, a warm-up of 50 streams and {cfg.settle_s:g} s without traffic.",
