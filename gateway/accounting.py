@@ -118,13 +118,40 @@ class Accounting:
         return entry
 
     def emit_spans(self, spans: RequestSpans, ex: Exchange, entry: dict[str, Any]) -> None:
-        """The request's OpenTelemetry spans (only with tracing on, after the response)."""
+        """The request's OpenTelemetry spans (only with tracing on, after the response): the
+        outcome's fields taken as ``record`` wrote them in ``entry``, or from ``ex``."""
         timeline, trace = ex.timeline, ex.trace
         assert timeline is not None and trace is not None
         if timeline.attempts and timeline.attempts[-1].end is None:
             timeline.attempts[-1].end = ex.upstream_ended
         try:
-            body = ex.call.body if ex.parsed else None
-            spans.emit(trace, timeline, Outcome.from_access_entry(entry, body), self.clock())
+            get = entry.get
+            if ex.parsed:
+                call = ex.call
+                outcome = Outcome(
+                    entry["endpoint"],
+                    ex.model,
+                    ex.status,
+                    ex.error_code or None,
+                    entry["tenant"],
+                    get("replica"),
+                    ex.attempts,
+                    call.model,
+                    call.n if call.n > 1 else None,
+                    ex.request_id,
+                    get("prompt_tokens"),
+                    get("completion_tokens"),
+                    call.max_tokens,
+                )
+            else:
+                outcome = Outcome(
+                    entry["endpoint"],
+                    ex.model,
+                    ex.status,
+                    ex.error_code or None,
+                    entry["tenant"],
+                    request_id=ex.request_id,
+                )
+            spans.emit(trace, timeline, outcome, self.clock())
         except Exception:  # tracing must never fail a request
             log.exception("could not record the request's spans", extra={"request_id": entry.get("request_id")})

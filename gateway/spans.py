@@ -22,9 +22,11 @@ its span objects and encoding them to protobuf cost ~100-200 µs per request, a 
 half of the gateway's requests/s with every request sampled. Here the request path only
 notes times on a ``Timeline`` (nothing when off or not sampled); when the request is over,
 its spans are written as OTLP JSON text
-(https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding), one f-string per span,
-straight into the body of the export batch they go out in, which is posted from the event
-loop; no dependency is needed. The queue is bounded: when the collector is slow or gone,
+(https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding) straight into the body
+of the export batch they go out in, which is posted from the event loop; no dependency is
+needed. What recurs from one request to the next (span names, the attributes of a model,
+tenant, replica and status) is written once and remembered; per request, only ids, times,
+counts and the request id are. The queue is bounded: when the collector is slow or gone,
 spans are dropped (and counted), requests are never held up.
 
 Standard variables read: the endpoint ones above, ``OTEL_EXPORTER_OTLP[_TRACES]_HEADERS``,
@@ -43,7 +45,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import unquote
@@ -75,13 +77,18 @@ class Attempt:
     failed: bool = False
 
 
-@dataclass(slots=True)
 class Timeline:
-    """When each stage of one request ended, and its upstream attempts (gateway clock)."""
+    """When each stage of one request ended, and its upstream attempts (gateway clock).
 
-    started: float
-    stages: list[tuple[str, float]] = field(default_factory=list)
-    attempts: list[Attempt] = field(default_factory=list)
+    A plain class: one is made for every sampled request, and a dataclass's generated
+    ``__init__`` with list default factories costs several times this one."""
+
+    __slots__ = ("attempts", "stages", "started")
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.stages: list[tuple[str, float]] = []
+        self.attempts: list[Attempt] = []
 
     def mark(self, stage: str, now: float) -> None:
         """``stage`` ran from the previous mark (or the start) until ``now``."""
@@ -96,55 +103,32 @@ class Timeline:
 
 
 class Outcome(NamedTuple):
-    """What the access log knows of a finished request, for the spans' attributes (None:
-    unknown, left out of the span)."""
+    """What is known of a finished request, for the server span's attributes (None: unknown,
+    left out of the span).
+
+    The fields up to ``choices`` recur from one request to the next (a handful of models,
+    tenants, replicas, statuses): the server span's text for them is written once per
+    combination (``_server_fixed``). The last four are the request's own."""
 
     endpoint: str
     model: str | None
     status: int
-    error_code: str | None
-    request_id: str | None = None
+    error_code: str | None = None
     tenant: str | None = None
     replica: str | None = None
     attempts: int | None = None
+    # From the request's body, once parsed: the model asked for, and how many choices
+    # (only when more than one).
+    request_model: str | None = None
+    choices: int | None = None
+    request_id: str | None = None
     input_tokens: int | None = None
     output_tokens: int | None = None
-    # From the request's body, once parsed.
-    request_model: str | None = None
     max_tokens: int | None = None
-    choices: int | None = None  # only when more than one
 
-    @classmethod
-    def from_access_entry(cls, entry: Mapping[str, Any], asked: Mapping[str, Any] | None) -> Outcome:
-        """From the request's access-log line (its values typed as ``gateway.accounting``
-        writes them) and, once parsed, its body (``asked``: anything a client sent)."""
-        get = entry.get
-        request_model = max_tokens = choices = None
-        if asked is not None:
-            model = asked.get("model")
-            if isinstance(model, str):
-                request_model = model
-            tokens = asked.get("max_completion_tokens") or asked.get("max_tokens")
-            if type(tokens) is int:  # not a bool, which a JSON body may hold instead
-                max_tokens = tokens
-            n = asked.get("n")
-            if type(n) is int and n > 1:
-                choices = n
-        return cls(
-            str(get("endpoint")),
-            get("model"),
-            int(entry["status"]),
-            get("error") or None,
-            get("request_id"),
-            get("tenant"),
-            get("replica"),
-            get("attempts"),
-            get("prompt_tokens"),
-            get("completion_tokens"),
-            request_model,
-            max_tokens,
-            choices,
-        )
+
+# How many of ``Outcome``'s fields recur (see its docstring).
+_RECURRING = 9
 
 
 def _string(text: str) -> str:
@@ -185,12 +169,48 @@ def _attributes(attrs: Iterable[tuple[str, object]]) -> str:
     return ",".join(parts)
 
 
+# How the span of an attempt followed by another ends: its last attribute, and its status.
+_FAILED_ATTEMPT_END = ',{"key":"error.type","value":{"stringValue":"attempt_failed"}}]' + _ERROR + "}"
+# What closes an export request's body after its spans (see ``RequestSpans._envelope``).
+_CLOSE = b"]}]}]}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _server_fixed(recurring: tuple[Any, ...]) -> tuple[str, str, str, str]:
+    """What a server span's text owes to an ``Outcome``'s recurring fields (``recurring``,
+    its first ``_RECURRING``), written once per combination: the operation, the span's name
+    and kind, its attributes from those fields, and what closes it (with its status)."""
+    endpoint, model, status, error_code, tenant, replica, attempts, request_model, choices = recurring
+    operation = OPERATIONS.get(endpoint, endpoint)
+    head = f'"name":{_name(operation, model)},"kind":{KIND_SERVER},'
+    attrs = _attributes(
+        (
+            ("gen_ai.operation.name", operation),
+            ("http.response.status_code", status),
+            ("gen_ai.response.model", model),
+            ("fleetgate.tenant", tenant),
+            ("fleetgate.replica", replica),
+            ("fleetgate.attempts", attempts),
+            ("gen_ai.request.model", request_model),
+            ("gen_ai.request.choice.count", choices),
+            ("error.type", error_code),
+        )
+    )
+    return operation, head, attrs, "]" + (_ERROR if status >= 500 else "") + "}"
+
+
 @functools.lru_cache(maxsize=256)
-def _attempt_attributes(operation: str, replica: str, url: str, served_model: str) -> str:
-    """An attempt span's attributes but ``error.type``: the same for every attempt on one
-    replica, so written once."""
+def _stage_attribute(stage: str) -> str:
+    """A stage's time attribute up to its value (stage names are identifiers: no escaping)."""
+    return f',{{"key":"fleetgate.{stage}_us","value":{{"intValue":'
+
+
+@functools.lru_cache(maxsize=256)
+def _attempt_fixed(operation: str, replica: str, url: str, served_model: str) -> tuple[str, str]:
+    """An attempt span's name and kind, and its attributes but ``error.type``: the same for
+    every attempt on one replica, so written once."""
     host, _, port = url.partition("://")[2].partition("/")[0].rpartition(":")
-    return _attributes(
+    attrs = _attributes(
         (
             ("gen_ai.operation.name", operation),
             ("gen_ai.request.model", served_model),
@@ -199,61 +219,7 @@ def _attempt_attributes(operation: str, replica: str, url: str, served_model: st
             ("fleetgate.replica", replica),
         )
     )
-
-
-def _string_attribute_writer(key: str) -> Callable[[str], str]:
-    """A function writing the string attribute ``key`` (after at least one other attribute),
-    remembered by value: most values (operation, models, tenant, replica, error) recur on
-    every request, and a lookup on the value alone costs less than escaping it."""
-
-    @functools.lru_cache(maxsize=256)
-    def write(value: str) -> str:
-        return f',{{"key":"{key}","value":{{"stringValue":{_string(value)}}}}}'
-
-    return write
-
-
-_operation_attribute = _string_attribute_writer("gen_ai.operation.name")
-_response_model_attribute = _string_attribute_writer("gen_ai.response.model")
-_request_model_attribute = _string_attribute_writer("gen_ai.request.model")
-_tenant_attribute = _string_attribute_writer("fleetgate.tenant")
-_replica_attribute = _string_attribute_writer("fleetgate.replica")
-_error_attribute = _string_attribute_writer("error.type")
-# How the span of an attempt followed by another ends: its last attribute, and its status.
-_FAILED_ATTEMPT_END = ',{"key":"error.type","value":{"stringValue":"attempt_failed"}}]' + _ERROR + "}"
-# What closes an export request's body after its spans (see ``RequestSpans._envelope``).
-_CLOSE = b"]}]}]}"
-
-
-def _server_attributes(operation: str, o: Outcome) -> str:
-    """The server span's attributes but the stages' times, comma-separated. Written attribute
-    by attribute from f-strings (no loop over pairs, no type tests, no argument tuples): this
-    runs for every sampled request. Keys are constants, values escaped or integers."""
-    text = _operation_attribute(operation)[1:]
-    text += f',{{"key":"http.response.status_code","value":{{"intValue":{o.status}}}}}'
-    if o.model is not None:
-        text += _response_model_attribute(o.model)
-    if o.input_tokens is not None:
-        text += f',{{"key":"gen_ai.usage.input_tokens","value":{{"intValue":{o.input_tokens}}}}}'
-    if o.output_tokens is not None:
-        text += f',{{"key":"gen_ai.usage.output_tokens","value":{{"intValue":{o.output_tokens}}}}}'
-    if o.request_id is not None:  # unique to the request: escaped, not remembered
-        text += f',{{"key":"fleetgate.request_id","value":{{"stringValue":{_string(o.request_id)}}}}}'
-    if o.tenant is not None:
-        text += _tenant_attribute(o.tenant)
-    if o.replica is not None:
-        text += _replica_attribute(o.replica)
-    if o.attempts is not None:
-        text += f',{{"key":"fleetgate.attempts","value":{{"intValue":{o.attempts}}}}}'
-    if o.request_model is not None:
-        text += _request_model_attribute(o.request_model)
-    if o.max_tokens is not None:
-        text += f',{{"key":"gen_ai.request.max_tokens","value":{{"intValue":{o.max_tokens}}}}}'
-    if o.choices is not None:
-        text += f',{{"key":"gen_ai.request.choice.count","value":{{"intValue":{o.choices}}}}}'
-    if o.error_code is not None:
-        text += _error_attribute(o.error_code)
-    return text
+    return f'"name":{_name(operation, served_model)},"kind":{KIND_CLIENT},', attrs
 
 
 def build_spans(
@@ -265,52 +231,64 @@ def build_spans(
     rng: random.Random,
     *,
     stage_spans: bool = False,
-) -> list[str]:
-    """The request's spans, each an OTLP JSON object; ``wall_ns`` is the epoch time at gateway
-    time ``now``. Each stage's time is an attribute of the server span (``fleetgate.<stage>_us``,
-    whole microseconds, truncated), and with ``stage_spans`` a child span too.
+) -> str:
+    """The request's spans, OTLP JSON objects separated by commas; ``wall_ns`` is the epoch
+    time at gateway time ``now``. Each stage's time is an attribute of the server span
+    (``fleetgate.<stage>_us``, whole microseconds, truncated), and with ``stage_spans`` a
+    child span too.
 
-    Written straight as JSON text, one f-string per span: nested dicts for a serialiser cost
-    more to build, to encode and to free on the event loop (bench/results/tracing-overhead.md).
-    Ids are validated or generated lowercase hex, stage names are ``Timeline.mark``'s callers'
-    identifiers: nothing in a template needs escaping but the names, which ``_name`` escapes.
+    Written straight as JSON text: nested dicts for a serialiser cost more to build, to
+    encode and to free on the event loop (bench/results/tracing-overhead.md). What recurs
+    from request to request (names, the outcome's recurring attributes, an attempt's
+    attributes) is written once and remembered; per request, only ids, times, counts and
+    the request id are written. Ids are validated or generated lowercase hex, stage names
+    are ``Timeline.mark``'s callers' identifiers: nothing written per request needs
+    escaping but the request id, which ``_string`` escapes.
     """
     offset = wall_ns - int(now * 1e9)
     tid = trace.trace_id
     root = trace.span_id
-    operation = OPERATIONS.get(outcome.endpoint, outcome.endpoint)
-    attrs = _server_attributes(operation, outcome)
+    operation, head, attrs, tail = _server_fixed(outcome[:_RECURRING])
+    request_id, input_tokens, max_tokens = outcome.request_id, outcome.input_tokens, outcome.max_tokens
     started = begin = timeline.started
+    times = ""
     for stage, end in timeline.stages:
-        attrs += f',{{"key":"fleetgate.{stage}_us","value":{{"intValue":{int((end - begin) * 1e6)}}}}}'
+        times += f"{_stage_attribute(stage)}{int((end - begin) * 1e6)}}}}}"
         begin = end
+    # The request's own attributes, each a small string: the span is put together once, at the end.
     parent = f',"parentSpanId":"{trace.parent_id}"' if trace.parent_id else ""
-    status = _ERROR if outcome.status >= 500 else ""
-    spans = [
-        f'{{"traceId":"{tid}","spanId":"{root}"{parent},"name":{_name(operation, outcome.model)},'
-        f'"kind":{KIND_SERVER},"startTimeUnixNano":{int(started * 1e9) + offset},'
-        f'"endTimeUnixNano":{int(now * 1e9) + offset},"attributes":[{attrs}]{status}}}'
-    ]
+    rid = inp = out = most = ""
+    if request_id is not None:  # unique to the request: escaped, not remembered
+        rid = f',{{"key":"fleetgate.request_id","value":{{"stringValue":{_string(request_id)}}}}}'
+    if input_tokens is not None:
+        inp = f',{{"key":"gen_ai.usage.input_tokens","value":{{"intValue":{input_tokens}}}}}'
+    if (output_tokens := outcome.output_tokens) is not None:
+        out = f',{{"key":"gen_ai.usage.output_tokens","value":{{"intValue":{output_tokens}}}}}'
+    if max_tokens is not None:
+        most = f',{{"key":"gen_ai.request.max_tokens","value":{{"intValue":{max_tokens}}}}}'
+    children = ""
     if stage_spans:
         begin = started
         for stage, end in timeline.stages:
-            spans.append(
-                f'{{"traceId":"{tid}","spanId":"{rng.getrandbits(64) or 1:016x}","parentSpanId":"{root}",'
+            children += (
+                f',{{"traceId":"{tid}","spanId":"{rng.getrandbits(64) or 1:016x}","parentSpanId":"{root}",'
                 f'"name":"{stage}","kind":{KIND_INTERNAL},"startTimeUnixNano":{int(begin * 1e9) + offset},'
                 f'"endTimeUnixNano":{int(end * 1e9) + offset}}}'
             )
             begin = end
     for a in timeline.attempts:
-        attrs = _attempt_attributes(operation, a.replica, a.url, a.served_model)
+        named, fixed = _attempt_fixed(operation, a.replica, a.url, a.served_model)
         end = now if a.end is None else a.end
-        tail = _FAILED_ATTEMPT_END if a.failed else "]}"
-        spans.append(
-            f'{{"traceId":"{tid}","spanId":"{rng.getrandbits(64) or 1:016x}","parentSpanId":"{root}",'
-            f'"name":{_name(operation, a.served_model)},"kind":{KIND_CLIENT},'
+        children += (
+            f',{{"traceId":"{tid}","spanId":"{rng.getrandbits(64) or 1:016x}","parentSpanId":"{root}",{named}'
             f'"startTimeUnixNano":{int(a.start * 1e9) + offset},"endTimeUnixNano":{int(end * 1e9) + offset},'
-            f'"attributes":[{attrs}{tail}'
+            f'"attributes":[{fixed}{_FAILED_ATTEMPT_END if a.failed else "]}"}'
         )
-    return spans
+    return (
+        f'{{"traceId":"{tid}","spanId":"{root}"{parent},{head}"startTimeUnixNano":{int(started * 1e9) + offset},'
+        f'"endTimeUnixNano":{int(now * 1e9) + offset},"attributes":[{attrs}{rid}{inp}{out}{most}{times}{tail}'
+        f"{children}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,9 +347,10 @@ class RequestSpans:
     A request's spans are written as JSON text when it finishes, straight into the body of
     the export request it will go out in: a batch is one growing buffer, closed when the next
     request's spans would take it past ``batch`` spans (a request's spans are never split),
-    so an export copies nothing. Keeping the request's objects instead, to write them at
-    export time, measured no faster (bench/results/tracing-overhead.md): the writing costs
-    the same wherever it runs.
+    so an export copies nothing. Keeping the request's objects instead, or a compact tuple
+    of its values, to write them all at export time, measured slower
+    (bench/results/tracing-overhead.md): the writing costs the same wherever it runs, and
+    what is kept until then costs more.
     """
 
     def __init__(
@@ -422,14 +401,13 @@ class RequestSpans:
             self.dropped += count
             return
         spans = build_spans(trace, timeline, outcome, now, time.time_ns(), self._rng, stage_spans=self.stage_spans)
-        text = ",".join(spans).encode()
         if self._filling is None or self._filling_count + count > self.settings.batch:
             if self._filling is not None:
                 self._close_batch()
             self._filling = bytearray(self._envelope)
         else:
             self._filling += b","
-        self._filling += text
+        self._filling += spans.encode()
         self._filling_count += count
         self.queued += count
         if self._filling_count >= self.settings.batch:

@@ -151,6 +151,14 @@ async def test_by_default_one_server_span_with_stage_times_and_one_span_per_atte
     assert (server["kind"], attempt["kind"]) == (KIND_SERVER, KIND_CLIENT)
     assert server["spanId"] == line["span_id"] and attempt["parentSpanId"] == server["spanId"]
     attrs = {a["key"]: a["value"] for a in server["attributes"]}
+    # What the access log says of the request, the server span says too.
+    assert attrs["fleetgate.request_id"] == {"stringValue": line["request_id"]}
+    assert attrs["fleetgate.tenant"] == {"stringValue": line["tenant"]}
+    assert attrs["fleetgate.replica"] == {"stringValue": line["replica"]}
+    assert attrs["fleetgate.attempts"] == {"intValue": line["attempts"]}
+    assert attrs["gen_ai.usage.input_tokens"] == {"intValue": line["prompt_tokens"]}
+    assert attrs["gen_ai.usage.output_tokens"] == {"intValue": line["completion_tokens"]}
+    assert "gen_ai.request.choice.count" not in attrs and "error.type" not in attrs  # n=1, no error
     stage_us = [int(attrs[f"fleetgate.{stage}_us"]["intValue"]) for stage in ("auth", "parse", "limits", "queue")]
     assert all(us >= 0 for us in stage_us)
     # The stages tile the start of the request: together no longer than the whole of it.
@@ -201,3 +209,33 @@ async def test_an_unsampled_request_has_no_spans_but_its_trace_goes_upstream(
     assert len(forwarded) == 1
     assert forwarded[0]["traceparent"] == f"00-{TRACE_ID}-{first['span_id']}-{'01' if recorded else '00'}"
     assert forwarded[0]["tracestate"] == "vendor=x"
+
+
+async def test_a_request_refused_before_its_body_is_parsed_has_a_server_span_saying_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with otlp_collector() as (collector, spans), openai_upstream("m") as (up, _):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+        config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
+        async with in_process_gateway(config, tmp_path) as (url, gw, access), httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(
+                f"{url}/v1/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {API_KEY}"}
+            )
+            assert r.status_code == 400
+            gw.access_log.flush()
+            (line,) = access_lines(access)[-1:]
+            async with asyncio.timeout(30):
+                while not spans:  # noqa: ASYNC110 - the exporter posts them in the background
+                    await asyncio.sleep(0.05)
+    (server,) = spans
+    assert (server["kind"], server["name"], server["spanId"]) == (KIND_SERVER, "chat", line["span_id"])
+    attrs = {a["key"]: a["value"] for a in server["attributes"]}
+    assert attrs["http.response.status_code"] == {"intValue": 400}
+    # error.type is the error code the access log names, when the error has one.
+    assert attrs.get("error.type") == ({"stringValue": line["error"]} if "error" in line else None)
+    assert attrs["fleetgate.request_id"] == {"stringValue": line["request_id"]}
+    assert attrs["fleetgate.tenant"] == {"stringValue": line["tenant"]}
+    # Known only once the body is parsed: left out, not written empty.
+    assert not {"gen_ai.request.model", "fleetgate.replica", "fleetgate.attempts"} & attrs.keys()
+    assert "fleetgate.auth_us" in attrs and "fleetgate.parse_us" not in attrs
