@@ -76,4 +76,6 @@ class Sampler:
         """Whether to record this request's spans; ``parent_sampled`` is None for a new trace."""
         if self.parent_based and parent_sampled is not None:
             return parent_sampled
+        if self.bound == _LOW_BITS:  # every trace id passes: none to read
+            return True
         return int(trace_id[16:], 16) < self.bound

@@ -58,3 +58,9 @@ def test_a_later_version_with_more_fields_is_read() -> None:
         "00f067aa0ba902b7",
         "01",
     )
+
+
+@pytest.mark.parametrize(("flags", "sampled"), [("00", False), ("01", True), ("02", False), ("03", True), ("ff", True)])
+def test_sampled_is_the_flags_low_bit(flags: str, sampled: bool) -> None:
+    trace = start_trace(f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}", None, random.Random(1), None)
+    assert trace.flags == flags and trace.sampled is sampled
