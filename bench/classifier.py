@@ -80,6 +80,9 @@ RECIPES = (
     ("embedding + log length, C = 1", HeadRecipe(length=True, ngram_weight=0.0, c=1.0)),
 )
 TIERS = [t.name for t in DEFAULT_TIERS]
+# A section written by hand after the generated ones (experiments run apart, their method
+# stated in it): a rerun keeps it instead of dropping it.
+KEPT_SECTION = "## Tried and not shipped"
 
 
 def auc(pos: Sequence[float], neg: Sequence[float]) -> float:
@@ -432,8 +435,16 @@ def main() -> None:
             "| --- | " + " | ".join("---:" for _ in PROTOCOLS) + " |",
             *candidates,
         ]
-    args.out.write_text("\n".join(lines) + "\n")
+    kept = kept_section(args.out)
+    args.out.write_text("\n".join(lines) + "\n" + kept)
     print("\n".join(lines))
+
+
+def kept_section(path: Path) -> str:
+    """``KEPT_SECTION`` and what follows it in the results file already there, or ""."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    start = text.find("\n" + KEPT_SECTION)
+    return text[start:] if start >= 0 else ""
 
 
 def head_scores_of(model: LinearModel, logits: np.ndarray) -> np.ndarray:
