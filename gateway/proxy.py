@@ -33,6 +33,7 @@ from cache.entry import StreamCollector, from_json_response
 from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable, error_body
 from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange, Picker
 from gateway.metrics import GatewayMetrics
+from gateway.progress_timeout import ProgressTimeout
 from gateway.settings import UpstreamSettings
 from gateway.sse import SseScanner, error_event
 from gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
@@ -354,12 +355,12 @@ class Proxy:
         if ex.cut_at_deadline and ex.deadline is not None:
             cut_at = loop.time() + (ex.deadline - clock())
         try:
-            async with asyncio.timeout_at(min(loop.time() + gap, cut_at)) as deadline:
+            async with ProgressTimeout(gap, cut_at) as deadline:
                 while not scanner.done:
                     chunk = await upstream.readany()
                     if not chunk:
                         break
-                    deadline.reschedule(min(loop.time() + gap, cut_at))
+                    deadline.progressed()
                     out, n = scanner.feed(chunk)
                     if collector is not None:
                         collector.feed(out)
@@ -371,7 +372,7 @@ class Proxy:
                     if out:
                         await response.write(out)
         except TimeoutError:
-            if deadline.when() == cut_at:
+            if deadline.cut:
                 ex.stop, ex.error_code = "deadline", "deadline_exceeded"
                 cut = GatewayTimeout("The request's deadline passed; the stream was cut.", code="deadline_exceeded")
                 await _end_with_error(response, cut)
