@@ -22,7 +22,6 @@ chunks arrive.
 from __future__ import annotations
 
 import asyncio
-import collections
 import ssl
 from dataclasses import dataclass
 from typing import NamedTuple, cast
@@ -196,7 +195,9 @@ class UpstreamResponse:
         self.connection: _Connection | None = None
         self.complete = False
         self.keep_alive = False
-        self._chunks: collections.deque[bytes] = collections.deque()
+        # A list, not a deque: the reader takes every chunk at once, and an empty deque
+        # already holds a 64-slot block (528 bytes) for each open stream.
+        self._chunks: list[bytes] = []
         self._size = 0
         self._waiter: asyncio.Future[None] | None = None
         self._error: Exception | None = None
@@ -246,7 +247,7 @@ class UpstreamResponse:
                 await self._waiter
             finally:
                 self._waiter = None
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._size = 0
         if self._paused and self.connection is not None:
