@@ -28,7 +28,9 @@ Method, all real processes on this machine:
   load and idle phases run twice: RSS after the second idle against after the first tells
   growth (a leak) from the allocator keeping its high-water mark;
 - the health probes' "replica down" lines and the machine's load average are reported: on
-  a shared machine a starved replica can miss its probes;
+  a shared machine a starved replica can miss its probes; and, from the gateway's
+  ``/metrics`` at the end, its failed upstream attempts by kind (connect, timeout, status,
+  stream) and failed health probes: what a client's error came from;
 - event-loop lag: the gateway's own ``fleetgate_event_loop_lag_seconds`` histogram (a 0.1 s
   timer, how late it ran), its p99 over the load phase (bucket upper bound);
 - errors: any stream that did not answer 200 (counted with the error body's code), ended
@@ -130,6 +132,8 @@ class SoakResult:
     peak_open: int = 0
     cpu_s: float = 0.0
     replicas_marked_down: int = 0
+    # The gateway's own count of failed upstream attempts by kind, and failed health probes.
+    upstream_failures: Counter[str] = field(default_factory=Counter)
     load_average: list[float] = field(default_factory=list)
     # PYTHONMALLOC as the gateway process was started with.
     allocator: str = "pymalloc"
@@ -376,6 +380,19 @@ def loop_lag_buckets(url: str) -> dict[float, float]:
     return buckets
 
 
+def upstream_failures(url: str) -> Counter[str]:
+    """The gateway's failed upstream attempts so far by kind (``fleetgate_upstream_errors``,
+    summed over replicas: connect, timeout, status, stream...), and its failed health probes."""
+    failures: Counter[str] = Counter()
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("fleetgate_upstream_errors_total{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            failures[kind] += int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("fleetgate_replica_probe_failures_total{"):
+            failures["health probe"] += int(float(line.rsplit(" ", 1)[1]))
+    return +failures
+
+
 def quantile_bound(before: dict[float, float], after: dict[float, float], q: float) -> tuple[float, float] | None:
     """The bucket bound holding quantile ``q`` of the samples between two scrapes, and the
     bound of the highest non-empty bucket."""
@@ -443,6 +460,7 @@ async def run_soak(cfg: SoakConfig, workdir: Path | None = None) -> SoakResult:
             await asyncio.sleep(cfg.idle_s)  # still sampled: the idle release shows in the samples
             sampler.cancel()
             afters.append(process_sample(gateway.pid, started, 0))
+        failures = await asyncio.to_thread(upstream_failures, url)
         log = stderr.read_text()
         log_errors = [line for line in log.splitlines() if '"level":"error"' in line or "Traceback" in line]
         lag = quantile_bound({}, lag_counts, 0.99)
@@ -461,6 +479,7 @@ async def run_soak(cfg: SoakConfig, workdir: Path | None = None) -> SoakResult:
             peak_open=peak,
             cpu_s=cpu,
             replicas_marked_down=log.count("replica down"),
+            upstream_failures=failures,
             load_average=loads,
             allocator=allocator,
         )
@@ -526,6 +545,12 @@ def report(result: SoakResult, command: str, note: str) -> str:
         "| gateway CPU time per 1,000 token events relayed (load phases) | "
         + (f"{result.cpu_s * 1000 / result.events * 1000:.0f} ms |" if result.events else "- |"),
         f"| replicas marked down by the health probes | {result.replicas_marked_down} |",
+        "| failed upstream attempts by kind, failed health probes (the gateway's /metrics) | "
+        + (
+            f"{sum(result.upstream_failures.values())} {dict(result.upstream_failures)} |"
+            if result.upstream_failures
+            else "0 |"
+        ),
         "| 1-minute load average at the end of each load phase | "
         + ", ".join(f"{x:.1f}" for x in result.load_average)
         + " |",
