@@ -24,13 +24,16 @@ from __future__ import annotations
 import asyncio
 import ssl
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 from urllib.parse import urlsplit
 
 import httptools
 
 # Unread stream data past which the socket stops reading until the reader drains it.
 _HIGH_WATER = 256 * 1024
+# Passes of the event loop (each polls I/O once) a timed-out wait gives its task before the
+# timeout counts: I/O read late because the loop was held up is not the replica's delay.
+_POLLS_BEFORE_TIMEOUT = 4
 
 
 class UpstreamError(Exception):
@@ -331,14 +334,17 @@ class UpstreamClient:
             if self._ssl is None:
                 self._ssl = ssl.create_default_context()
             context = self._ssl
+        connecting = asyncio.ensure_future(
+            loop.create_connection(lambda: _Connection(self, origin), origin.host, origin.port, ssl=context)
+        )
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                transport, protocol = await loop.create_connection(
-                    lambda: _Connection(self, origin), origin.host, origin.port, ssl=context
-                )
-        except OSError as exc:  # TimeoutError (connect_timeout_s) is the caller's to see
-            if isinstance(exc, TimeoutError):
-                raise
+            await _within(connecting, self.connect_timeout_s)
+        except BaseException:  # TimeoutError (connect_timeout_s) is the caller's to see
+            _abandon(connecting)
+            raise
+        try:
+            transport, protocol = connecting.result()
+        except OSError as exc:
             raise UpstreamError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
         # uvloop may return before it has called connection_made.
         if protocol.transport is None:
@@ -449,6 +455,33 @@ class UpstreamClient:
         for connection in list(self._active):
             connection.close()
         self._active.clear()
+
+
+async def _within(task: asyncio.Future[Any], timeout_s: float) -> None:
+    """Wait for ``task`` up to ``timeout_s``; TimeoutError if it is not done by then.
+
+    A timer that comes due while the event loop was held up (a starved machine, a long
+    callback) runs before the I/O that arrived meanwhile is read: uvloop runs due timers
+    first in each pass, and asyncio wakes the waiting task only a pass after reading. A
+    connection the kernel completed in a millisecond would then count as the replica's
+    timeout, and against its circuit breaker. So the verdict waits for the loop to poll
+    its I/O a few times (``_POLLS_BEFORE_TIMEOUT``, each a pass of the loop, not a delay).
+    """
+    done, _ = await asyncio.wait((task,), timeout=timeout_s)
+    for _ in range(_POLLS_BEFORE_TIMEOUT):
+        if done or task.done():
+            return
+        await asyncio.sleep(0)
+    if not task.done():
+        raise TimeoutError(f"not done within {timeout_s} s")
+
+
+def _abandon(connecting: asyncio.Future[tuple[asyncio.Transport, _Connection]]) -> None:
+    """Give up a connection attempt: cancel it, or close what it made all the same."""
+    if not connecting.done():
+        connecting.cancel()
+    elif not connecting.cancelled() and connecting.exception() is None:
+        connecting.result()[0].close()
 
 
 def _head(method: str, target: bytes, origin: _Origin, body: bytes, headers: dict[str, str] | None) -> bytes:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+import uvloop
 from aiohttp import web
 
 from gateway.upstream import UpstreamClient, UpstreamError
@@ -153,6 +156,55 @@ async def test_refused_connection_is_an_error() -> None:
     with pytest.raises(UpstreamError, match="cannot connect"):
         await client.fetch("POST", url + "/", b"x")
     await client.close()
+
+
+async def ok_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    await writer.drain()
+
+
+async def held_up_connect(stall_s: float) -> tuple[int, str, bytes, str]:
+    """A fetch whose connection the kernel makes at once, while the event loop is held up
+    for ``stall_s`` (longer than the connect timeout) right after the connect began."""
+    async with raw_server(ok_once) as url:
+        client = UpstreamClient(connect_timeout_s=0.2)
+        asyncio.get_running_loop().call_soon(time.sleep, stall_s)
+        try:
+            return await client.fetch("POST", url + "/", b"x")
+        finally:
+            await client.close()
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_a_connection_made_while_the_loop_was_held_up_is_no_timeout(run: Callable[..., object]) -> None:
+    """A timer due during a stall runs before the I/O that arrived meanwhile is read: the
+    verdict waits for the loop to look at that I/O."""
+    assert run(held_up_connect(0.5)) == (200, "", b"ok", "")
+
+
+async def test_a_connection_that_never_comes_still_times_out() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        # A backlog of 0 that is full: the kernel drops the next SYN, so connect() hangs.
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        client = UpstreamClient(connect_timeout_s=0.2)
+        with pytest.raises(TimeoutError):
+            await client.fetch("POST", f"http://127.0.0.1:{port}/", b"x")
+        await client.close()
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
 
 
 async def test_timeout_bounds_the_whole_exchange_and_drops_the_connection() -> None:
