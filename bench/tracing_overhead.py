@@ -22,7 +22,12 @@ Method (bench/overhead.py's setup, all in one run so the ratios hold on a noisy 
   Per run, besides wrk's figures: the gateway's CPU time per request, the sink's, and how
   idle core 1 was (the load generator's side must not be the bottleneck);
 - shared core: each of `on`, `ratio`, `stages`, `twin` (and `base`, `base-on`) loaded at the
-  same time as `off`, 16 connections each, `--rounds` times. Both saturate core 0 and the
+  same time as `off`, 16 connections each, `--rounds` times, in both orders: the first of a
+  pair can gain a little, so each ratio is also given as the geometric mean of its two
+  orders; and one process can run a few percent faster than another of the same code and
+  configuration (`twin` against `off`: 1.05 in either order), so `on` is also measured as
+  two processes (`on`, `on2`) against two (`off`, `twin`), every pairing in both orders,
+  their geometric mean per round: the figure the bar is read on. Both saturate core 0 and the
   scheduler gives each an even share, so their requests/s differ as their CPU cost per
   request does, and other jobs on the machine slow both alike: on a shared machine the
   sequential rounds swing by more than the effect (one run slowed, the next not), the
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -75,6 +81,7 @@ TRACING: dict[str, dict[str, str] | None] = {
     "ratio": {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(RATIO)},
     "stages": {"FLEETGATE_TRACING__STAGE_SPANS": "true"},
     "twin": None,
+    "on2": {},
     "base": None,
     "base-on": {},
 }
@@ -84,6 +91,11 @@ SEQUENTIAL = ("off", "on", "ratio")
 # Gateways loaded at the same time as `off`, sharing core 0; `twin` is a second `off`, the
 # control: its ratio shows the method's own error.
 PAIRS = ("on", "ratio", "stages", "twin")
+# Two processes of each kind, every `on` against every `off` in both orders: one process can
+# run a few percent faster than another of the same code and configuration (`twin` against
+# `off`, in either order), more than the bar's margin; the geometric mean over the pairings
+# averages the processes of each kind.
+BALANCED = (("on", "on2"), ("off", "twin"))
 
 
 @dataclass
@@ -162,6 +174,32 @@ def shared_core(urls: tuple[str, str], pids: tuple[int, int], conc: int, duratio
     return Shared((a.rps, b.rps), (cpu[0], cpu[1]))
 
 
+def geometric_ratios(
+    pairs: dict[str, list[Shared]], ons: tuple[str, ...], offs: tuple[str, ...]
+) -> dict[str, list[float]]:
+    """The gateways ``ons`` against ``offs``, per round the geometric mean of every pairing's
+    ratio, in both orders: what the first of a pair gains cancels, and a process of one kind
+    that runs faster than another of the same kind (`twin` against `off`) is averaged with it
+    instead of standing for its kind."""
+    out = {}
+    for what, get in (("req/s", _shared_rps), ("CPU/request", _shared_cpu)):
+        per_round: list[list[float]] = [[] for _ in pairs[f"{ons[0]}/{offs[0]}"]]
+        for a in ons:
+            for b in offs:
+                for i, (x, y) in enumerate(zip(pairs[f"{a}/{b}"], pairs[f"{b}/{a}"], strict=True)):
+                    per_round[i] += [get(x)[0] / get(x)[1], get(y)[1] / get(y)[0]]
+        out[what] = [math.exp(statistics.fmean(map(math.log, r))) for r in per_round]
+    return out
+
+
+def _shared_rps(pair: Shared) -> tuple[float, float]:
+    return pair.rps
+
+
+def _shared_cpu(pair: Shared) -> tuple[float, float]:
+    return pair.cpu_us
+
+
 def off_path_us() -> float:
     """What tracing off adds to each request: a new trace context and its upstream headers."""
     rng = random.Random()
@@ -196,10 +234,12 @@ def main() -> int:
     )
     systems = (["base"] if args.base else []) + list(SEQUENTIAL)
     paired = [*PAIRS, *(("base", "base-on") if args.base else ())]
-    # Gateways loaded together on core 0: each of `paired` beside `off`; with `--base`, also
-    # `on` beside `base-on`, in both orders (the first of a pair gets a few percent more).
-    matches = [(name, "off") for name in paired] + ([("on", "base-on"), ("base-on", "on")] if args.base else [])
-    gateways = list(dict.fromkeys([*systems, *paired]))
+    # Gateways loaded together on core 0, each pair in both orders (the first of a pair gets a
+    # few percent more): each of `paired` beside `off`; with `--base`, also `on` beside `base-on`.
+    matches = [m for name in paired for m in ((name, "off"), ("off", name))]
+    matches += [m for a in BALANCED[0] for b in BALANCED[1] for m in ((a, b), (b, a)) if m not in matches]
+    matches += [("on", "base-on"), ("base-on", "on")] if args.base else []
+    gateways = list(dict.fromkeys([*systems, *paired, *BALANCED[0], *BALANCED[1]]))
     base = base_tree(args.base, tmp) if args.base else None
     p_nginx, p_sink = free_port(), free_port()
     upstream, sink = f"http://127.0.0.1:{p_nginx}", f"http://127.0.0.1:{p_sink}"
@@ -250,6 +290,11 @@ def main() -> int:
         for key, ps in pairs.items()
         for what, series in (("req/s", [p.rps for p in ps]), ("CPU/request", [p.cpu_us for p in ps]))
     }
+    for name in paired:
+        for what, values in geometric_ratios(pairs, (name,), ("off",)).items():
+            shared_runs[f"{name}/off {what} (shared core, both orders)"] = values
+    for what, values in geometric_ratios(pairs, *BALANCED).items():
+        shared_runs[f"on/off {what} (shared core, two processes of each, both orders)"] = values
     shared = {k: (statistics.median(v), min(v), max(v)) for k, v in shared_runs.items()}
     off_us = off_path_us()
     results = {
@@ -334,8 +379,11 @@ def report(
     lines += [f"- {k}: {v:.3f}" for k, v in ratios.items()]
     lines += [
         "",
-        "Shared core: each gateway and `off` loaded at the same time on core 0 (16 connections each),"
-        f" {args.rounds} runs of {args.duration} s, median (and range) of the ratios. `stages`: every request"
+        "Shared core: each gateway and `off` loaded at the same time on core 0 (16 connections each), in"
+        f" both orders, {args.rounds} runs of {args.duration} s, median (and range) of the ratios; `both orders`:"
+        " per run the geometric mean of the two orders' ratios; `two processes of each`: `on` and"
+        " `on2` against `off` and `twin`, every pairing in both orders, per run the geometric mean of the"
+        " eight ratios. `stages`: every request"
         " sampled with `tracing.stage_spans: true`; `twin`: a second `off`, the control"
         + (
             f"; `base`, `base-on`: the code at `{args.base}` without and with an OTLP endpoint, and `on` beside"
