@@ -126,14 +126,11 @@ class Accounting:
             timeline.attempts[-1].end = ex.upstream_ended
         try:
             get = entry.get
+            recurring = (entry["endpoint"], ex.model, ex.status, ex.error_code or None, entry["tenant"])
             if ex.parsed:
                 call = ex.call
                 outcome = Outcome(
-                    entry["endpoint"],
-                    ex.model,
-                    ex.status,
-                    ex.error_code or None,
-                    entry["tenant"],
+                    *recurring,
                     get("replica"),
                     ex.attempts,
                     call.model,
@@ -144,14 +141,7 @@ class Accounting:
                     call.max_tokens,
                 )
             else:
-                outcome = Outcome(
-                    entry["endpoint"],
-                    ex.model,
-                    ex.status,
-                    ex.error_code or None,
-                    entry["tenant"],
-                    request_id=ex.request_id,
-                )
+                outcome = Outcome(*recurring, request_id=ex.request_id)
             spans.emit(trace, timeline, outcome, self.clock())
         except Exception:  # tracing must never fail a request
             log.exception("could not record the request's spans", extra={"request_id": entry.get("request_id")})
