@@ -39,7 +39,7 @@ from tests.integration.harness import CountingUpstream, GatewayProcess, serve_ap
 from tests.integration.redis_server import REDIS_BINARY
 from tests.integration.redis_topology import REDIS_CLI, LocalCluster, LocalSentinel
 from tests.integration.test_limits_exact import four_gateways, requests_per_minute_hold, samples
-from tests.integration.test_semantic_cache_redis import ask, entries, gateway_cache, remember, until
+from tests.integration.test_semantic_cache_redis import SETTINGS, ask, entries, gateway_cache, remember, until
 
 pytestmark = pytest.mark.redis
 
@@ -64,6 +64,13 @@ def topology(request: pytest.FixtureRequest) -> Iterator[Topology]:
     setup: Topology = LocalCluster() if request.param == "cluster" else LocalSentinel()
     with setup:
         yield setup
+
+
+# The caches' bounds here: generous for a loaded machine, they only cut a hang. A process's
+# first command to a cluster node opens its connection, which under load can pass the
+# 100 ms lookup bound the single-node tests use, and an exact hit then falls through to the
+# semantic one; this test checks where entries are found, not how fast.
+PATIENT = SETTINGS.model_copy(update={"lookup_timeout_ms": 2000, "store_timeout_ms": 5000})
 
 
 def state_key(tenant: str) -> str:
@@ -100,13 +107,13 @@ async def test_limits_hold_across_four_gateways(tmp_path: Path, topology: Topolo
 
 async def test_caches_share_entries_between_processes(topology: Topology) -> None:
     question = "What is the capital of France?"
-    async with gateway_cache(topology.url) as a, gateway_cache(topology.url) as b:
+    async with gateway_cache(topology.url, PATIENT) as a, gateway_cache(topology.url, PATIENT) as b:
         await remember(a, question)
         assert await ask(b, question) == "exact"
         await until(lambda: entries(b) == 1)  # followed from the change stream
         assert await ask(b, "what is the capital of france") == "semantic"
         assert await ask(b, "what is the capital of france", tenant="t2") == "miss"
-    async with gateway_cache(topology.url) as c:  # a later process loads what is stored (SCAN)
+    async with gateway_cache(topology.url, PATIENT) as c:  # a later process loads what is stored (SCAN)
         assert entries(c) == 1
         assert await ask(c, "WHAT is the capital of France") == "semantic"
     owner = aioredis.Redis(port=topology.master_of("{fg:s}:seq"))
