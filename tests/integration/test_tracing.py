@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,14 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.integration.harness import API_KEY, access_lines, in_process_gateway, openai_upstream, serve_app
+from tests.integration.harness import (
+    API_KEY,
+    UpstreamLog,
+    access_lines,
+    in_process_gateway,
+    openai_upstream,
+    serve_app,
+)
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -76,12 +83,27 @@ async def otlp_collector() -> AsyncIterator[tuple[str, list[Any]]]:
         yield url, spans
 
 
-async def test_spans_per_request_stage_and_attempt_reach_the_collector(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@contextlib.asynccontextmanager
+async def exporting(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[list[Any], str, UpstreamLog]]:
+    """An OTLP collector that the next gateway built exports to, in batches of 50 ms, and
+    an upstream serving model ``m``: (the spans received, its URL, what it was sent)."""
     async with otlp_collector() as (collector, spans), openai_upstream("m") as (up, seen):
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector)
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+        yield spans, up, seen
+
+
+async def until_exported(done: Callable[[], bool]) -> None:
+    """Wait (30 s at most) for ``done``: the exporter posts spans in the background."""
+    async with asyncio.timeout(30):
+        while not done():  # noqa: ASYNC110 - nothing to await: the collector's list grows
+            await asyncio.sleep(0.05)
+
+
+async def test_spans_per_request_stage_and_attempt_reach_the_collector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with exporting(monkeypatch) as (spans, up, seen):
         # One replica refuses connections: a request sent there first takes two attempts.
         dead = "http://127.0.0.1:9"
         config = {
@@ -96,11 +118,9 @@ async def test_spans_per_request_stage_and_attempt_reach_the_collector(
                 assert r.status_code == 200
             gw.access_log.flush()
             lines = access_lines(access)[-2:]
-            async with asyncio.timeout(30):
-                # 2 requests x (1 server span + 5 stages) + one span per attempt
-                expected = 2 * 6 + sum(line["attempts"] for line in lines)
-                while len(spans) < expected:  # noqa: ASYNC110 - the exporter's thread posts them
-                    await asyncio.sleep(0.05)
+            # 2 requests x (1 server span + 5 stages) + one span per attempt
+            expected = 2 * 6 + sum(line["attempts"] for line in lines)
+            await until_exported(lambda: len(spans) >= expected)
     assert len(spans) == expected
     by_name: dict[str, list[Any]] = {}
     for span in spans:
@@ -135,17 +155,13 @@ async def test_spans_per_request_stage_and_attempt_reach_the_collector(
 async def test_by_default_one_server_span_with_stage_times_and_one_span_per_attempt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with otlp_collector() as (collector, spans), openai_upstream("m") as (up, _):
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector)
-        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    async with exporting(monkeypatch) as (spans, up, _):
         config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
         async with in_process_gateway(config, tmp_path) as (url, gw, access):
             assert (await chat(url, traceparent=f"00-{TRACE_ID}-{CLIENT_SPAN}-01")).status_code == 200
             gw.access_log.flush()
             (line,) = access_lines(access)[-1:]
-            async with asyncio.timeout(30):
-                while len(spans) < 2:  # noqa: ASYNC110 - the exporter posts them in the background
-                    await asyncio.sleep(0.05)
+            await until_exported(lambda: len(spans) >= 2)
             await asyncio.sleep(0.2)  # nothing more comes
     server, attempt = sorted(spans, key=lambda s: s["kind"])
     assert (server["kind"], attempt["kind"]) == (KIND_SERVER, KIND_CLIENT)
@@ -177,9 +193,7 @@ async def test_by_default_one_server_span_with_stage_times_and_one_span_per_atte
 async def test_an_unsampled_request_has_no_spans_but_its_trace_goes_upstream(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sampler: dict[str, str], flags: str, recorded: bool
 ) -> None:
-    async with otlp_collector() as (collector, spans), openai_upstream("m") as (up, seen):
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector)
-        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    async with exporting(monkeypatch) as (spans, up, seen):
         for name, value in sampler.items():
             monkeypatch.setenv(name, value)
         config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
@@ -193,11 +207,9 @@ async def test_an_unsampled_request_has_no_spans_but_its_trace_goes_upstream(
             assert (await chat(url, traceparent=f"00-{other}-{CLIENT_SPAN}-01")).status_code == 200
             gw.access_log.flush()
             first = access_lines(access)[-2]
-            async with asyncio.timeout(30):
-                while sampler.get("OTEL_TRACES_SAMPLER") != "always_off" and not any(  # noqa: ASYNC110
-                    s["traceId"] == other for s in spans
-                ):
-                    await asyncio.sleep(0.05)
+            await until_exported(
+                lambda: sampler.get("OTEL_TRACES_SAMPLER") == "always_off" or any(s["traceId"] == other for s in spans)
+            )
             await asyncio.sleep(0.2)
     mine = [s for s in spans if s["traceId"] == TRACE_ID]
     assert bool(mine) is recorded
@@ -214,9 +226,7 @@ async def test_an_unsampled_request_has_no_spans_but_its_trace_goes_upstream(
 async def test_a_request_refused_before_its_body_is_parsed_has_a_server_span_saying_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with otlp_collector() as (collector, spans), openai_upstream("m") as (up, _):
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector)
-        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    async with exporting(monkeypatch) as (spans, up, _):
         config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
         async with in_process_gateway(config, tmp_path) as (url, gw, access), httpx.AsyncClient(timeout=30) as http:
             r = await http.post(
@@ -225,9 +235,7 @@ async def test_a_request_refused_before_its_body_is_parsed_has_a_server_span_say
             assert r.status_code == 400
             gw.access_log.flush()
             (line,) = access_lines(access)[-1:]
-            async with asyncio.timeout(30):
-                while not spans:  # noqa: ASYNC110 - the exporter posts them in the background
-                    await asyncio.sleep(0.05)
+            await until_exported(lambda: bool(spans))
     (server,) = spans
     assert (server["kind"], server["name"], server["spanId"]) == (KIND_SERVER, "chat", line["span_id"])
     attrs = {a["key"]: a["value"] for a in server["attributes"]}
