@@ -188,6 +188,18 @@ def wrk(url: str, conc: int, duration: int, script: Path) -> WrkResult:
     return WrkResult(rps, p50, p99, errors)
 
 
+def post_script(tmp: Path) -> Path:
+    """wrk's script for the benches' request: POST /v1/chat/completions with ``BODY``."""
+    script = tmp / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = '{json.dumps(BODY, separators=(',', ':'))}'\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {API_KEY}"\n'
+    )
+    return script
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -323,13 +335,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="fleetgate-bench-"))
     (tmp / "body").mkdir()
     p_nginx, p_sse, p_slow, p_bare, p_bare_sse, p_gw = (free_port() for _ in range(6))
-    script = tmp / "post.lua"
-    script.write_text(
-        'wrk.method = "POST"\n'
-        f"wrk.body = '{json.dumps(BODY, separators=(',', ':'))}'\n"
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f'wrk.headers["Authorization"] = "Bearer {API_KEY}"\n'
-    )
+    script = post_script(tmp)
     # Per point and system, one result per round; bare and fleetgate alternate within a round.
     json_runs: dict[str, dict[int, list[WrkResult]]] = {
         "bare aiohttp proxy": {1: [], 32: []},

@@ -5,7 +5,8 @@ One command (needs `nginx`, `wrk` and `taskset`)::
 
     .venv/bin/python bench/tracing_overhead.py [--duration 10] [--rounds 3] [--base REF]
 
-Method (bench/overhead.py's setup, all in one run so the ratios hold on a noisy machine):
+Method (bench/overhead.py's setup and bench/shared_core.py's pairs, all in one run so the ratios
+hold on a noisy machine):
 - core 0: the gateways, started once: `off` (no OTLP endpoint: the default), `on`
   (`OTEL_EXPORTER_OTLP_ENDPOINT` set, the default sampler `parentbased_always_on`: every
   request is sampled and exports its spans, the worst case), `ratio` (the same with
@@ -45,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import random
 import shutil
@@ -56,7 +56,6 @@ import tarfile
 import tempfile
 import time
 import timeit
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +64,9 @@ import yaml
 # Run as a script, this file's directory would shadow the top-level packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.overhead import BODY, WrkResult, cpu_seconds, gateway_config, nginx_conf, process, wait_http, wrk
+from bench.machine import core_busy_idle, cpu_model, spare_share
+from bench.overhead import WrkResult, cpu_seconds, gateway_config, nginx_conf, post_script, process, wait_http, wrk
+from bench.shared_core import Shared, geometric_ratios, pairings, shared_core
 from gateway.tracing import start_trace
 from replicas.launcher import free_port
 
@@ -96,6 +97,8 @@ PAIRS = ("on", "ratio", "stages", "twin")
 # `off`, in either order), more than the bar's margin; the geometric mean over the pairings
 # averages the processes of each kind.
 BALANCED = (("on", "on2"), ("off", "twin"))
+# `geometric_ratios`' keys as this report names them.
+SHARED_LABELS = {"rate": "req/s", "cpu": "CPU/request"}
 
 
 @dataclass
@@ -134,70 +137,13 @@ def sink_conf(tmp: Path, port: int) -> Path:
     return conf
 
 
-def core1_busy_idle() -> tuple[int, int]:
-    """Core 1's (busy, idle) jiffies so far, from /proc/stat."""
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith("cpu1 "):
-            ticks = [int(v) for v in line.split()[1:]]
-            idle = ticks[3] + ticks[4]
-            return sum(ticks) - idle, idle
-    raise RuntimeError("no cpu1 in /proc/stat")
-
-
 def measure(url: str, conc: int, duration: int, script: Path, gateway_pid: int, sink_pid: int) -> Run:
-    cpu0, sink0, (busy0, idle0) = cpu_seconds(gateway_pid), cpu_seconds(sink_pid), core1_busy_idle()
+    cpu0, sink0, load0 = cpu_seconds(gateway_pid), cpu_seconds(sink_pid), core_busy_idle(1)
     result = wrk(url, conc, duration, script)
-    cpu1, sink1, (busy1, idle1) = cpu_seconds(gateway_pid), cpu_seconds(sink_pid), core1_busy_idle()
+    cpu1, sink1, load1 = cpu_seconds(gateway_pid), cpu_seconds(sink_pid), core_busy_idle(1)
     requests = max(1, round(result.rps * duration))
-    idle = (idle1 - idle0) / max(1, busy1 - busy0 + idle1 - idle0)
+    idle = spare_share(load0, load1)
     return Run(result, requests, (cpu1 - cpu0) / requests * 1e6, (sink1 - sink0) / requests * 1e6, idle)
-
-
-@dataclass
-class Shared:
-    """Two gateways under load at once on one core: requests/s and CPU time per request of each."""
-
-    rps: tuple[float, float]
-    cpu_us: tuple[float, float]
-
-
-def shared_core(urls: tuple[str, str], pids: tuple[int, int], conc: int, duration: int, script: Path) -> Shared:
-    """Both gateways saturated on core 0 at once, ``conc`` connections each: the scheduler
-    gives each an even share of the core, so their requests/s differ as their CPU cost per
-    request does, and whatever else runs on the machine slows both alike (the sequential
-    rounds see it slow one run and not the next)."""
-    before = [cpu_seconds(pid) for pid in pids]
-    with ThreadPoolExecutor(2) as pool:
-        a, b = pool.map(lambda url: wrk(url, conc, duration, script), urls)
-    after = [cpu_seconds(pid) for pid in pids]
-    cpu = tuple((y - x) / max(1.0, r.rps * duration) * 1e6 for x, y, r in zip(before, after, (a, b), strict=True))
-    return Shared((a.rps, b.rps), (cpu[0], cpu[1]))
-
-
-def geometric_ratios(
-    pairs: dict[str, list[Shared]], ons: tuple[str, ...], offs: tuple[str, ...]
-) -> dict[str, list[float]]:
-    """The gateways ``ons`` against ``offs``, per round the geometric mean of every pairing's
-    ratio, in both orders: what the first of a pair gains cancels, and a process of one kind
-    that runs faster than another of the same kind (`twin` against `off`) is averaged with it
-    instead of standing for its kind."""
-    out = {}
-    for what, get in (("req/s", _shared_rps), ("CPU/request", _shared_cpu)):
-        per_round: list[list[float]] = [[] for _ in pairs[f"{ons[0]}/{offs[0]}"]]
-        for a in ons:
-            for b in offs:
-                for i, (x, y) in enumerate(zip(pairs[f"{a}/{b}"], pairs[f"{b}/{a}"], strict=True)):
-                    per_round[i] += [get(x)[0] / get(x)[1], get(y)[1] / get(y)[0]]
-        out[what] = [math.exp(statistics.fmean(map(math.log, r))) for r in per_round]
-    return out
-
-
-def _shared_rps(pair: Shared) -> tuple[float, float]:
-    return pair.rps
-
-
-def _shared_cpu(pair: Shared) -> tuple[float, float]:
-    return pair.cpu_us
 
 
 def off_path_us() -> float:
@@ -225,20 +171,14 @@ def main() -> int:
             return 2
     tmp = Path(tempfile.mkdtemp(prefix="fleetgate-tracing-bench-"))
     (tmp / "body").mkdir()
-    script = tmp / "post.lua"
-    script.write_text(
-        'wrk.method = "POST"\n'
-        f"wrk.body = '{json.dumps(BODY, separators=(',', ':'))}'\n"
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        'wrk.headers["Authorization"] = "Bearer sk-bench"\n'
-    )
+    script = post_script(tmp)
     systems = (["base"] if args.base else []) + list(SEQUENTIAL)
     paired = [*PAIRS, *(("base", "base-on") if args.base else ())]
     # Gateways loaded together on core 0, each pair in both orders (the first of a pair gets a
     # few percent more): each of `paired` beside `off`; with `--base`, also `on` beside `base-on`.
-    matches = [m for name in paired for m in ((name, "off"), ("off", name))]
-    matches += [m for a in BALANCED[0] for b in BALANCED[1] for m in ((a, b), (b, a)) if m not in matches]
-    matches += [("on", "base-on"), ("base-on", "on")] if args.base else []
+    matches = [m for name in paired for m in pairings((name,), ("off",))]
+    matches += [m for m in pairings(*BALANCED) if m not in matches]
+    matches += pairings(("on",), ("base-on",)) if args.base else []
     gateways = list(dict.fromkeys([*systems, *paired, *BALANCED[0], *BALANCED[1]]))
     base = base_tree(args.base, tmp) if args.base else None
     p_nginx, p_sink = free_port(), free_port()
@@ -288,20 +228,20 @@ def main() -> int:
     shared_runs = {
         f"{key} {what} (shared core)": [values[0] / values[1] for values in series]
         for key, ps in pairs.items()
-        for what, series in (("req/s", [p.rps for p in ps]), ("CPU/request", [p.cpu_us for p in ps]))
+        for what, series in (("req/s", [p.rate for p in ps]), ("CPU/request", [p.cpu_us for p in ps]))
     }
     for name in paired:
         for what, values in geometric_ratios(pairs, (name,), ("off",)).items():
-            shared_runs[f"{name}/off {what} (shared core, both orders)"] = values
+            shared_runs[f"{name}/off {SHARED_LABELS[what]} (shared core, both orders)"] = values
     for what, values in geometric_ratios(pairs, *BALANCED).items():
-        shared_runs[f"on/off {what} (shared core, two processes of each, both orders)"] = values
+        shared_runs[f"on/off {SHARED_LABELS[what]} (shared core, two processes of each, both orders)"] = values
     shared = {k: (statistics.median(v), min(v), max(v)) for k, v in shared_runs.items()}
     off_us = off_path_us()
     results = {
         "duration_s": args.duration,
         "rounds": args.rounds,
         "base": args.base,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "runs": {
             s: {
                 c: [{**vars(r.wrk), **{k: v for k, v in vars(r).items() if k != "wrk"}} for r in rs]
@@ -330,13 +270,6 @@ def _cpu(run: Run) -> float:
     return run.gateway_cpu_us
 
 
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def report(
     args: argparse.Namespace,
     systems: list[str],
@@ -360,7 +293,7 @@ def report(
         "# Tracing overhead",
         "",
         f"Generated by `.venv/bin/python bench/tracing_overhead.py --duration {args.duration} --rounds {args.rounds}"
-        f"{extra}` on {os.cpu_count()} shared cores ({_cpu_model()}). Method in the script's docstring:"
+        f"{extra}` on {os.cpu_count()} shared cores ({cpu_model()}). Method in the script's docstring:"
         " gateways on core 0; upstream nginx, span sink (its own nginx) and wrk on core 1; medians over rounds.",
         "",
         "| gateway | tracing | c=1 req/s | c=1 p50 ms | c=32 req/s | c=32 p50 ms | c=32 p99 ms"
