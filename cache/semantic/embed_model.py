@@ -12,20 +12,42 @@ Normalize. Any other layout (a dense layer, max pooling, ...) would need
 embedder refuses it at start-up, with the reason.
 
 ``length_groups`` runs a batch in groups of similar length instead of padding every text to the
-longest one.
+longest one. ``TokenWindow`` is what the model read of a text (its first word pieces, up to the
+model's ``max_seq_length``): the complexity classifier's embedding head weighs how many characters
+each of those word pieces covers (``routing.embedding_head``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 Embeddings = npt.NDArray[np.float32]
+
+
+class TokenWindow(NamedTuple):
+    """What the model read of one text: ``pieces`` word pieces (the special ones included, at
+    most the model's ``max_seq_length``), covering the text's first ``chars`` characters (the
+    whole text unless it was truncated)."""
+
+    pieces: int
+    chars: int
+
+
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    """Unit vectors, one row per text, and each text's ``TokenWindow`` in the same order (None
+    from an embedder that does not say)."""
+
+    vectors: Embeddings
+    windows: tuple[TokenWindow, ...] | None
+
 
 # A group of texts (sorted by length) closes when padding would add more than 30% to its
 # real tokens, but not before it holds 128 tokens: below that the matrix products slow down

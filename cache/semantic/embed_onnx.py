@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from cache.semantic.embed_model import Embeddings, length_groups, mean_pool
+from cache.semantic.embed_model import Embedded, Embeddings, TokenWindow, length_groups, mean_pool
 
 # The ONNX operator set the graph is written in: 17 has LayerNormalization, which keeps
 # BERT's layer norms one fused kernel; ONNX Runtime 1.20 and later run it.
@@ -110,9 +110,14 @@ class OnnxModel:
         return cls(tokenizer, session, max_length)
 
     def __call__(self, texts: Sequence[str]) -> Embeddings:
+        return self.embed(texts).vectors
+
+    def embed(self, texts: Sequence[str]) -> Embedded:
+        """The unit vectors of ``texts`` and the window of each that the model read."""
         if len(texts) == 1:
-            return self._run(self._features(texts, padding=False))
-        features = self._features(texts, padding=True)
+            features, windows = self._features(texts, padding=False)
+            return Embedded(self._run(features), windows)
+        features, windows = self._features(texts, padding=True)
         lengths = features["attention_mask"].sum(axis=1).tolist()
         out: Embeddings | None = None
         for group in length_groups(lengths):
@@ -122,13 +127,29 @@ class OnnxModel:
                 out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
             out[group] = vectors
         assert out is not None  # texts is not empty: ``embed`` returns early otherwise
-        return out
+        return Embedded(out, windows)
 
-    def _features(self, texts: Sequence[str], *, padding: bool) -> dict[str, Any]:
+    def _features(
+        self, texts: Sequence[str], *, padding: bool
+    ) -> tuple[dict[str, Any], tuple[TokenWindow, ...] | None]:
+        """The model's inputs, and each text's window, from the one tokenisation."""
         encoded = self._tokenizer(
             list(texts), padding=padding, truncation=True, max_length=self._max_length, return_tensors="np"
         )
-        return {name: np.asarray(encoded[name], dtype=np.int64) for name in self._inputs}
+        features = {name: np.asarray(encoded[name], dtype=np.int64) for name in self._inputs}
+        return features, self._windows(texts, encoded)
+
+    def _windows(self, texts: Sequence[str], encoded: Any) -> tuple[TokenWindow, ...] | None:
+        """Each text's window: its real word pieces, and the characters they cover (the whole
+        text unless it filled the window; then the end of its last piece, from the fast
+        tokenizer's offsets). None from a tokenizer that keeps no offsets (not a fast one)."""
+        if encoded.encodings is None:
+            return None
+        pieces: list[int] = np.asarray(encoded["attention_mask"]).sum(axis=1).tolist()
+        return tuple(
+            TokenWindow(n, len(text) if n < self._max_length else max(end for _, end in encoded.encodings[row].offsets))
+            for row, (text, n) in enumerate(zip(texts, pieces, strict=True))
+        )
 
     def _run(self, features: dict[str, Any]) -> Embeddings:
         (vectors,) = self._session.run(None, features)

@@ -24,6 +24,10 @@ transformer layers fine-tuned on question pairs (``cache/semantic/data/embedder-
 ``scripts/train_semantic_embedder.py``); a ``model_dir`` of one's own is used as it is,
 unless ``layers`` names a layers file for it.
 
+Both also answer ``embed_windowed`` (``WindowedEmbedder``): the same vectors with each text's
+``TokenWindow``, the word pieces the model read and the characters they cover, taken from the
+tokenisation the embedding ran anyway (the complexity classifier's embedding head weighs it).
+
 ``HashingEmbedder`` is deterministic and needs no model: for unit tests of code that
 needs some embedder, not for deciding what is a duplicate.
 """
@@ -44,7 +48,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from cache.semantic.embed_model import DEFAULT_LAYERS, Embeddings, load_sentence_transformer, supported_pooling
+from cache.semantic.embed_model import (
+    DEFAULT_LAYERS,
+    Embedded,
+    Embeddings,
+    TokenWindow,
+    load_sentence_transformer,
+    supported_pooling,
+)
 from cache.semantic.embed_onnx import OnnxModel, missing_modules
 
 log = logging.getLogger("fleetgate.cache")
@@ -89,6 +100,15 @@ class Embedder(Protocol):
 
     async def embed(self, texts: Sequence[str]) -> Embeddings:
         """One row per text, each of unit length, shape ``(len(texts), dimension)``."""
+        ...
+
+
+@runtime_checkable
+class WindowedEmbedder(Embedder, Protocol):
+    """An embedder that also says what its model read of each text (``TokenWindow``)."""
+
+    async def embed_windowed(self, texts: Sequence[str]) -> Embedded:
+        """``embed``'s vectors (the same, bit for bit) and each text's window, from one tokenisation."""
         ...
 
 
@@ -148,7 +168,7 @@ class EmbedderStats:
 class _Request:
     texts: list[str]
     arrived: float
-    done: asyncio.Future[Embeddings] = field(repr=False)
+    done: asyncio.Future[Embedded] = field(repr=False)
 
 
 class SentenceTransformerEmbedder:
@@ -224,10 +244,13 @@ class SentenceTransformerEmbedder:
         self._worker = asyncio.create_task(self._serve(), name="embedder-batcher")
 
     async def embed(self, texts: Sequence[str]) -> Embeddings:
+        return (await self.embed_windowed(texts)).vectors
+
+    async def embed_windowed(self, texts: Sequence[str]) -> Embedded:
         if self._closed or self._queue is None:
             raise EmbedderClosed("the embedder is closed" if self._closed else "the embedder is not started")
         if not texts:
-            return np.empty((0, self._dimension), dtype=np.float32)
+            return Embedded(np.empty((0, self._dimension), dtype=np.float32), ())
         loop = asyncio.get_running_loop()
         request = _Request(list(texts), loop.time(), loop.create_future())
         self._queue.put_nowait(request)
@@ -297,7 +320,7 @@ class SentenceTransformerEmbedder:
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
         texts = [text for request in batch for text in request.texts]
         try:
-            vectors = await loop.run_in_executor(self._executor, self._embed_now, texts)
+            embedded = await loop.run_in_executor(self._executor, self._embed_now, texts)
         except Exception as exc:
             # A model failure belongs to the calls that asked; the batcher lives on.
             for request in batch:
@@ -310,7 +333,8 @@ class SentenceTransformerEmbedder:
         for request in batch:
             end = start + len(request.texts)
             if not request.done.done():  # the caller may have been cancelled meanwhile
-                request.done.set_result(vectors[start:end])
+                windows = embedded.windows[start:end] if embedded.windows is not None else None
+                request.done.set_result(Embedded(embedded.vectors[start:end], windows))
             start = end
         if self.on_batch is not None:
             # After the answers, and contained: metrics must not strand callers or stop the batcher.
@@ -394,11 +418,11 @@ class SentenceTransformerEmbedder:
             )
         return onnx
 
-    def _embed_now(self, texts: Sequence[str]) -> Embeddings:
+    def _embed_now(self, texts: Sequence[str]) -> Embedded:
         model = self._model
         if model is None:
             raise EmbedderClosed("the embedder is closed")
-        return model(texts)
+        return model.embed(texts)
 
 
 def _encode(model: Any, texts: Sequence[str]) -> Embeddings:
@@ -414,8 +438,17 @@ def _cosine_gap(vectors: Embeddings, reference: Embeddings) -> float:
     return float(np.max(1.0 - np.einsum("ij,ij->i", vectors, reference)))
 
 
+# The stand-in's window: at most this many pieces (two of them the ends' markers), as the
+# default model reads at most 256 word pieces.
+HASHING_MAX_PIECES = 256
+
+
 class HashingEmbedder:
-    """Deterministic bag-of-words-and-trigrams vectors: a stand-in for tests, no model."""
+    """Deterministic bag-of-words-and-trigrams vectors: a stand-in for tests, no model.
+
+    Its window counts words and single symbols as pieces, with two end markers, up to
+    ``HASHING_MAX_PIECES``, as the real model counts word pieces.
+    """
 
     def __init__(self, dimension: int = 384) -> None:
         if dimension < 8:
@@ -433,6 +466,9 @@ class HashingEmbedder:
     async def embed(self, texts: Sequence[str]) -> Embeddings:
         return self.embed_now(texts)
 
+    async def embed_windowed(self, texts: Sequence[str]) -> Embedded:
+        return Embedded(await self.embed(texts), tuple(hashing_window(text) for text in texts))
+
     def embed_now(self, texts: Sequence[str]) -> Embeddings:
         """The same vectors as ``embed``, synchronously."""
         out = np.zeros((len(texts), self._dimension), dtype=np.float32)
@@ -449,3 +485,12 @@ class HashingEmbedder:
             else:
                 out[row, 0] = 1.0  # an empty text still gets a unit vector
         return out
+
+
+def hashing_window(text: str) -> TokenWindow:
+    """``HashingEmbedder``'s window of ``text``: words and symbols as pieces, plus the two markers."""
+    ends = [match.end() for match in re.finditer(r"\w+|[^\w\s]", text)]
+    read = HASHING_MAX_PIECES - 2
+    if len(ends) <= read:
+        return TokenWindow(len(ends) + 2, len(text))
+    return TokenWindow(HASHING_MAX_PIECES, ends[read - 1])

@@ -42,6 +42,27 @@ async def test_onnx_runtime_gives_encodes_vectors(reference: Any) -> None:
     assert cosine_gap(lone, batched[:40]) < 1e-5
 
 
+async def test_the_window_is_what_the_model_read(reference: Any) -> None:
+    # A short text is read whole; a long one up to the model's 256 word pieces, and the window
+    # ends where the tokenizer's last piece ends. Lone or batched, the same window.
+    tokenizer = reference[0].tokenizer
+    long = " ".join(f"word{i} = f(x{i}) + {i}" for i in range(200))
+    texts = ["What is the capital of Peru?", long, "Why?"]
+    async with SentenceTransformerEmbedder() as embedder:
+        batched = await embedder.embed_windowed(texts)
+        lone = [await embedder.embed_windowed([text]) for text in texts]
+        vectors = await embedder.embed(texts)
+    assert batched.windows is not None
+    assert [w for one in lone for w in one.windows or ()] == list(batched.windows)
+    np.testing.assert_array_equal(batched.vectors, vectors)
+    short, cut, tiny = batched.windows
+    assert short == (len(tokenizer(texts[0])["input_ids"]), len(texts[0]))
+    assert tiny == (len(tokenizer(texts[2])["input_ids"]), len(texts[2]))
+    encoded = tokenizer(long, truncation=True, max_length=256, return_offsets_mapping=True)
+    assert cut == (256, max(end for _, end in encoded["offset_mapping"]))
+    assert 0 < cut.chars < len(long)
+
+
 def test_cls_pooling_matches_sentence_transformers(reference: Any) -> None:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Normalize, Pooling

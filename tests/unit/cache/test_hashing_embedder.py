@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache.semantic.embedder import Embedder, HashingEmbedder
+from cache.semantic.embedder import HASHING_MAX_PIECES, Embedder, HashingEmbedder, WindowedEmbedder
 
 
 async def test_vectors_are_deterministic_unit_and_shaped() -> None:
@@ -29,3 +29,17 @@ async def test_shared_words_mean_closer_vectors() -> None:
 def test_dimension_is_checked() -> None:
     with pytest.raises(ValueError):
         HashingEmbedder(4)
+
+
+async def test_the_window_counts_words_and_symbols_up_to_the_models_limit() -> None:
+    embedder = HashingEmbedder(64)
+    assert isinstance(embedder, WindowedEmbedder)
+    texts = ["How do I learn Python?", "", "word " * 300]
+    embedded = await embedder.embed_windowed(texts)
+    np.testing.assert_array_equal(embedded.vectors, await embedder.embed(texts))
+    assert embedded.windows is not None
+    # Five words and "?", plus the two end markers; every character read.
+    assert embedded.windows[0] == (8, 22)
+    assert embedded.windows[1] == (2, 0)
+    # 254 words read of 300, the last ending at character 254 * 5 - 1.
+    assert embedded.windows[2] == (HASHING_MAX_PIECES, 1269)
