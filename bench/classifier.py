@@ -15,7 +15,8 @@ embeds (at most ``cache.semantic.max_text_chars``), n-grams for longer ones. Rep
 same prompts: AUC hard vs easy, of prompt length in characters and of the old keyword rule
 (``bench.classifier_keywords``); the tier confusion at the default boundaries; each held-out
 group's tiers. The middle kinds (never trained on) are scored by models trained on every
-labelled prompt. Candidates: the head's recipes (length, n-gram logit) side by side. Cost:
+labelled prompt. Candidates: the head's recipes (length, n-gram logit, characters per token)
+side by side. Cost:
 single ``classify`` calls on every prompt, ``REPEATS`` times, wall and thread CPU time
 (``timing``), with and without a vector; and the embedding itself, one text at a time.
 """
@@ -28,7 +29,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,9 @@ RECIPES = (
     ("embedding, C = 3", HeadRecipe(length=False, ngram_weight=0.0, c=3.0)),
     ("embedding + log length, C = 1", HeadRecipe(length=True, ngram_weight=0.0, c=1.0)),
 )
+# Each recipe above without and with characters per token in the model's window (the shipped
+# head has it): the rows say "+ chars per token".
+PER_TOKEN = (False, True)
 TIERS = [t.name for t in DEFAULT_TIERS]
 # A section written by hand after the generated ones (experiments run apart, their method
 # stated in it): a rerun keeps it instead of dropping it.
@@ -278,30 +282,40 @@ def main() -> None:
     if not args.ngram_only:
         head = default_head()
         started = time.perf_counter()
-        x, identity = embed(prompts)
+        vectors = embed(prompts)
+        x = vectors.x
         embed_s = time.perf_counter() - started
-        if identity != head.embedder:
-            raise SystemExit(f"the shipped head was trained on embedder {head.embedder}, this one is {identity}")
-        recipe = HeadRecipe(length=head.length_weight != 0.0, ngram_weight=head.ngram_weight)
-        head_logits = {p: head_out_of_fold(prompts, x, ngram_logits[p], p, recipe) for p in PROTOCOLS}
+        if vectors.identity != head.embedder:
+            raise SystemExit(
+                f"the shipped head was trained on embedder {head.embedder}, this one is {vectors.identity}"
+            )
+        recipe = HeadRecipe(
+            length=head.length_weight != 0.0, ngram_weight=head.ngram_weight, chars_per_token=head.uses_window
+        )
+        head_logits = {p: head_out_of_fold(prompts, vectors, ngram_logits[p], p, recipe) for p in PROTOCOLS}
         scores["embedding head"] = {p: head_scores(head, head_logits[p]) for p in PROTOCOLS}
         cached = np.array([len(embedding_text(p.text)) <= CACHE_MAX_TEXT_CHARS for p in prompts])
         scores["head where the cache embeds, else n-gram"] = {
             p: np.where(cached, scores["embedding head"][p], ngram_scores[p]) for p in PROTOCOLS
         }
-        final = train_final_head(prompts, x, recipe)
-        middle["embedding head"] = head_scores(head, final.logits(x, lengths_of(prompts), ngram_all))
+        final = train_final_head(prompts, vectors, recipe)
+        middle["embedding head"] = head_scores(head, final.logits(x, lengths_of(prompts), vectors.per_token, ngram_all))
         middle["head where the cache embeds, else n-gram"] = np.where(
             cached, middle["embedding head"], middle["n-gram"]
         )
         hard = [i for i in labelled if prompts[i].label == HARD]
         easy = [i for i in labelled if prompts[i].label == EASY]
-        for name, r in RECIPES:
-            row = [name]
-            for p in PROTOCOLS:
-                logits = head_out_of_fold(prompts, x, ngram_logits[p], p, r)
-                row.append(f"{auc(logits[hard], logits[easy]):.3f}")
-            candidates.append("| " + " | ".join(row) + " |")
+        arena_hard = [i for i in hard if prompts[i].group.startswith("arena-hard/")]
+        for per_token in PER_TOKEN:
+            for name, r in RECIPES:
+                row = [name + (" + chars per token" if per_token else "")]
+                r = replace(r, chars_per_token=per_token)
+                for p in PROTOCOLS:
+                    logits = head_out_of_fold(prompts, vectors, ngram_logits[p], p, r)
+                    row.append(f"{auc(logits[hard], logits[easy]):.3f}")
+                    if p == "sources":
+                        row.append(f"{auc(logits[arena_hard], logits[easy]):.3f}")
+                candidates.append("| " + " | ".join(row) + " |")
         short = int(cached[labelled].sum())
     lines = [
         "# Complexity classifier",
@@ -321,7 +335,8 @@ def main() -> None:
         "Classifiers: **n-gram** (`routing/data/classifier.json`); **embedding head** "
         "(`routing/data/classifier-embedding.json`, over the semantic cache's all-MiniLM-L6-v2 vector"
         + (
-            f", recipe: length {'on' if head.length_weight else 'off'}, n-gram logit weight {head.ngram_weight:g}"
+            f", recipe: length {'on' if head.length_weight else 'off'}, characters per token "
+            f"{'on' if head.uses_window else 'off'}, n-gram logit weight {head.ngram_weight:g}"
             if head is not None
             else ""
         )
@@ -369,11 +384,15 @@ def main() -> None:
     load_average = os.getloadavg()[0]
     costs = [("n-gram (`classify(body)`)", timing(texts, lambda i, body: classify(body)))]
     if head is not None:
-        vectors = x.astype(np.float32)
+        rows = x.astype(np.float32)
+        windows = [(int(pieces), int(chars)) for pieces, chars in vectors.windows]
         costs.append(
             (
                 "embedding head, on a given vector (`classify(body, vector=v)`)",
-                timing(texts, lambda i, body: classify(body, vector=vectors[i], head=head)),
+                timing(
+                    texts,
+                    lambda i, body: classify(body, vector=rows[i], window=windows[i], head=head),
+                ),
             )
         )
     costs.append(("keyword rule (old)", timing(texts, lambda i, body: keyword_score(body))))
@@ -427,12 +446,15 @@ def main() -> None:
             "## Candidates: the head's recipes (AUC hard vs easy, out of fold)",
             "",
             "The vector alone, with log length as an input of the regression, and with the n-gram model's logit "
-            "added (its out-of-fold logit of the same folds, times a fixed weight); all at C = "
+            "added (its out-of-fold logit of the same folds, times a fixed weight); each also with characters per "
+            "token of the model's window as an input (`+ chars per token`: log of the characters the window covers "
+            "over its word pieces, as the embedder reports them); all at C = "
             f"{HeadRecipe().c:g} unless the row says otherwise. The shipped recipe and its C were picked on these "
-            "same `sources` folds: a mild selection on the figures reported.",
+            "same `sources` folds, and characters per token among several extra inputs tried on them "
+            '("Tried and not shipped"): a selection on the figures reported.',
             "",
-            "| recipe | " + " | ".join(PROTOCOLS) + " |",
-            "| --- | " + " | ".join("---:" for _ in PROTOCOLS) + " |",
+            "| recipe | sources | sources, arena only | " + " | ".join(PROTOCOLS[1:]) + " |",
+            "| --- | " + " | ".join("---:" for _ in range(len(PROTOCOLS) + 1)) + " |",
             *candidates,
         ]
     kept = kept_section(args.out)

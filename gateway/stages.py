@@ -42,7 +42,8 @@ from cache.coalesce import Leader
 from cache.entry import CachedCompletion
 from cache.keys import endpoint_kind
 from cache.replay import new_completion_id, replay_json, replay_sse
-from cache.semantic.vector_index import Vector
+from cache.semantic.cache import TextEmbedding
+from cache.semantic.embedder import WindowedEmbedder
 from cache.service import CacheHit, ResponseCache
 from gateway.auth import KeyRing
 from gateway.autoscale import PendingTokens
@@ -298,17 +299,19 @@ class Stages:
         body = ex.call.body
         forced = request.headers.get(TIER_HEADER)
         allowed = self._forcible(tenant) if forced else ()
-        vector, fallback, text = None, "", None
+        embedding, fallback, text = None, "", None
         if self.router.head is not None:  # routing.classifier.embedding is not "never"
             cache_control = request.headers.get("Cache-Control")
             shared = self.cache.semantic_text(ex.endpoint, body, tenant.cache, cache_control)
             text = self.router.text_to_embed(body, shared, forced, allowed)
         if text is not None:
-            vector, fallback = await self._embedding(text)
-        return self.router.choose_tier(body, forced, allowed, vector, fallback)
+            embedding, fallback = await self._embedding(text)
+        if embedding is None:
+            return self.router.choose_tier(body, forced, allowed, None, fallback)
+        return self.router.choose_tier(body, forced, allowed, embedding.vector, fallback, embedding.window)
 
-    async def _embedding(self, text: str) -> tuple[Vector | None, str]:
-        """``text``'s embedding for the classifier's embedding head, or None and why not.
+    async def _embedding(self, text: str) -> tuple[TextEmbedding | None, str]:
+        """``text``'s embedding (vector and window) for the classifier's embedding head, or None and why not.
 
         It is the semantic cache's embedder, through the cache's memo: the lookup (and the
         store) of the same text afterwards reuses this vector instead of embedding again.
@@ -319,12 +322,15 @@ class Stages:
         if semantic is None or not semantic.ready or head is None:
             return None, "unavailable"
         embedder = semantic.embedder
-        if embedder is None or not head.accepts(semantic.identity, embedder.dimension):
+        # A head that weighs the window needs an embedder that reports it (the shipped one does).
+        windowed = not head.uses_window or isinstance(embedder, WindowedEmbedder)
+        if embedder is None or not windowed or not head.accepts(semantic.identity, embedder.dimension):
             if not self._warned_mismatch:
                 self._warned_mismatch = True
                 log.warning(
-                    "the classifier's embedding head was trained on another embedder's vectors; "
-                    "classifying with n-grams (set routing.classifier.embedding_head_path)",
+                    "the classifier's embedding head was trained on another embedder's vectors (or weighs "
+                    "the token window, which this embedder does not report); classifying with n-grams "
+                    "(set routing.classifier.embedding_head_path)",
                     extra={"embedder": semantic.identity, "head_embedder": head.embedder},
                 )
             return None, "mismatch"

@@ -27,7 +27,7 @@ features that moved the score most, either way, e.g.
 
 With a sentence embedding of the instruction (``vector``, the semantic cache's), the
 embedding head (``routing.embedding_head``) decides instead; the header names it and the
-parts of its logit: ``score=0.81; embedding(emb+1.52,ngram+0.40); +w:integral``.
+parts of its logit: ``score=0.81; embedding(emb+1.52,len+2.10,cpt-0.35); +w:integral``.
 
 Cost: tens to a few hundred microseconds (``bench/classifier.py`` measures it), paid only
 by requests that are classified (model ``auto`` or a tenant's ``classify_models``).
@@ -166,7 +166,7 @@ def features(text: str) -> set[str]:
 
 def load_model(path: str | Path | None = None) -> LinearModel:
     """Read a model file (the shipped one by default)."""
-    data = read_data_file(path, DEFAULT_MODEL, MODEL_FORMAT, ClassifierModelError, "the classifier model")
+    data = read_data_file(path, DEFAULT_MODEL, (MODEL_FORMAT,), ClassifierModelError, "the classifier model")
     try:
         weights = {str(k): float(v) for k, v in data["weights"].items()}
         return LinearModel(weights, float(data["bias"]), float(data["scale"]), float(data["shift"]))
@@ -200,17 +200,19 @@ def classify(
     model: LinearModel | None = None,
     *,
     vector: npt.NDArray[np.floating] | None = None,
+    window: tuple[int, int] | None = None,
     head: EmbeddingHead | None = None,
     fallback: str = "",
 ) -> Classification:
     """Score ``body`` (chat ``messages`` or completion ``prompt``) and pick the tier holding the score.
 
     With ``vector`` (the embedding of ``embedding_text(instruction(body))``) the embedding
-    head decides (``head``, the shipped one by default); without, the n-gram model, and
-    ``fallback`` says why the embedding head did not (shown in the header; "" when it was
-    not asked to).
+    head decides (``head``, the shipped one by default), with ``window`` (the word pieces
+    and characters the model read of that text, from the same embedding) when the head
+    weighs it; without, the n-gram model, and ``fallback`` says why the embedding head did
+    not (shown in the header; "" when it was not asked to).
     """
-    return classify_text(instruction(body), tiers, model, vector=vector, head=head, fallback=fallback)
+    return classify_text(instruction(body), tiers, model, vector=vector, window=window, head=head, fallback=fallback)
 
 
 def classify_text(
@@ -219,6 +221,7 @@ def classify_text(
     model: LinearModel | None = None,
     *,
     vector: npt.NDArray[np.floating] | None = None,
+    window: tuple[int, int] | None = None,
     head: EmbeddingHead | None = None,
     fallback: str = "",
 ) -> Classification:
@@ -227,13 +230,15 @@ def classify_text(
     if vector is not None:
         h = head or default_head()
         ngram_logit, contributions = m.logit(features(text)) if h.uses_ngrams else (0.0, [])
-        parts = h.logit(vector, ngram_logit, len(text))
+        parts = h.logit(vector, ngram_logit, len(text), window)
         score = h.score(parts.total)
         detail = f"emb{parts.embedding:+.2f}"
         if h.uses_ngrams:
             detail += f",ngram{parts.ngram:+.2f}"
         if h.length_weight:
             detail += f",len{parts.length:+.2f}"
+        if h.uses_window:
+            detail += f",cpt{parts.chars_per_token:+.2f}"
         return Classification(_tier_for(score, tiers), round(score, 3), _reasons(contributions), EMBEDDING, detail)
     logit, contributions = m.logit(features(text))
     score = m.score(logit)

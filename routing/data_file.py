@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 
 def read_data_file(
-    path: str | Path | None, shipped: str, fmt: int, error: type[ValueError], what: str
+    path: str | Path | None, shipped: str, formats: Collection[int], error: type[ValueError], what: str
 ) -> dict[str, Any]:
     """A classifier data file's JSON object: ``path``, or the ``shipped`` file of ``routing/data``.
 
-    Raises ``error`` when it cannot be read or is not format ``fmt``.
+    Raises ``error`` when it cannot be read or is of none of the ``formats`` read.
     """
     try:
         if path is None:
@@ -25,8 +26,9 @@ def read_data_file(
         data = json.loads(raw)
     except (OSError, ValueError) as exc:
         raise error(f"cannot read {what}: {exc}") from exc
-    if not isinstance(data, dict) or data.get("format") != fmt:
-        raise error(f"{what} is not format {fmt}")
+    if not isinstance(data, dict) or data.get("format") not in formats:
+        names = " or ".join(str(f) for f in sorted(formats))
+        raise error(f"{what} is not format {names}")
     return data
 
 

@@ -8,17 +8,27 @@ used still lands near other technical asks. When a request's vector is at hand t
 scores it; the n-gram model (``routing.classifier``) scores everything else.
 
 The logit is ``weights . vector + ngram_weight * ngram_logit + length_weight *
-log1p(characters) + bias``, calibrated like the n-gram model's (``scale * logit + shift``
-through a sigmoid) so that the same tier boundaries hold for both heads. ``ngram_weight``
-and ``length_weight`` are what training found worth adding (zero when they did not help on
-held-out sources). Everything is in ``routing/data/classifier-embedding.json``, written by
+log1p(characters) + chars_per_token_weight * log(characters per token) + bias``, calibrated
+like the n-gram model's (``scale * logit + shift`` through a sigmoid) so that the same tier
+boundaries hold for both heads. ``ngram_weight``, ``length_weight`` and
+``chars_per_token_weight`` are what training found worth adding (zero when they did not help
+on held-out sources).
+
+Characters per token (``chars_per_token``) are those of the window the model read: its word
+pieces, and the characters of the text they cover (``cache.semantic.embed_model.TokenWindow``),
+counted by the embedder's own tokenisation and handed over with the vector. Code, formulas and
+identifiers split into many short pieces, plain prose into few long ones, and the vector, a
+mean over the pieces, does not keep how many there were. It moves real users' hard prompts
+(arena-hard, held out whole) most (bench/results/classifier.md).
+
+Everything is in ``routing/data/classifier-embedding.json``, written by
 ``scripts/train_classifier.py --embedding``, with the identity of the embedder whose
 vectors it was trained on: vectors of another model (``cache.semantic.model_dir`` of one's
 own) mean something else, and the head refuses them (``accepts``).
 
-Cost: one dot product over 384 floats, a few microseconds. The embedding itself (~5 ms of
-CPU) is the semantic cache's, computed off the event loop; see docs/routing.md for when a
-classified request pays for it.
+Cost: one dot product over 384 floats and two logarithms, a few microseconds. The embedding
+itself (~5 ms of CPU) is the semantic cache's, computed off the event loop; see
+docs/routing.md for when a classified request pays for it.
 """
 
 from __future__ import annotations
@@ -33,7 +43,10 @@ import numpy.typing as npt
 
 from routing.data_file import calibrated, read_data_file
 
-HEAD_FORMAT = 1
+HEAD_FORMAT = 2
+# Files of format 1 (no ``chars_per_token_weight``) are read with that weight 0: they score as
+# they did. A gateway that only reads format 1 refuses format 2 rather than drop the input.
+HEAD_FORMATS_READ = (1, HEAD_FORMAT)
 DEFAULT_HEAD = "classifier-embedding.json"
 # The text embedded for classification is cut here: the model reads its first 256 word
 # pieces (~1,000 characters of English, fewer of code), so 4096 characters lose nothing it
@@ -53,6 +66,7 @@ class HeadLogit:
     embedding: float  # weights . vector + bias
     ngram: float  # ngram_weight * the n-gram model's logit
     length: float  # length_weight * log1p(characters)
+    chars_per_token: float  # chars_per_token_weight * chars_per_token(window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +77,7 @@ class EmbeddingHead:
     bias: float
     ngram_weight: float
     length_weight: float
+    chars_per_token_weight: float
     scale: float
     shift: float
     embedder: str  # identity of the embedder the head was trained on (``Embedder.identity``)
@@ -75,15 +90,29 @@ class EmbeddingHead:
     def uses_ngrams(self) -> bool:
         return self.ngram_weight != 0.0
 
+    @property
+    def uses_window(self) -> bool:
+        """Whether the head needs the window the model read (``logit``'s ``window``)."""
+        return self.chars_per_token_weight != 0.0
+
     def accepts(self, identity: str, dimension: int) -> bool:
         """Whether vectors of this embedder are the ones the head was trained on."""
         return identity == self.embedder and dimension == self.dimension
 
-    def logit(self, vector: npt.NDArray[np.floating], ngram_logit: float, chars: int) -> HeadLogit:
+    def logit(
+        self, vector: npt.NDArray[np.floating], ngram_logit: float, chars: int, window: tuple[int, int] | None = None
+    ) -> HeadLogit:
+        """The logit of ``vector``; ``chars``: the instruction's length; ``window``: the (word
+        pieces, characters) the model read of it, needed when ``uses_window``."""
         embedding = float(np.dot(self.weights, vector)) + self.bias
         ngram = self.ngram_weight * ngram_logit
         length = self.length_weight * math.log1p(chars)
-        return HeadLogit(embedding + ngram + length, embedding, ngram, length)
+        per_token = 0.0
+        if self.uses_window:
+            if window is None:
+                raise ValueError("this embedding head weighs the token window, and none was given")
+            per_token = self.chars_per_token_weight * chars_per_token(*window)
+        return HeadLogit(embedding + ngram + length + per_token, embedding, ngram, length, per_token)
 
     def score(self, logit: float) -> float:
         return calibrated(logit, self.scale, self.shift)
@@ -98,9 +127,15 @@ def embedding_text(instruction: str) -> str:
     return instruction.strip()[:EMBED_MAX_CHARS]
 
 
+def chars_per_token(pieces: int, chars: int) -> float:
+    """The head's input from the window the model read: ``log(characters / word pieces)``
+    (the pieces count the model's two end markers; an empty text counts one character)."""
+    return math.log(max(chars, 1) / max(pieces, 1))
+
+
 def load_head(path: str | Path | None = None) -> EmbeddingHead:
     """Read a head file (the shipped one by default)."""
-    data = read_data_file(path, DEFAULT_HEAD, HEAD_FORMAT, EmbeddingHeadError, "the classifier's embedding head")
+    data = read_data_file(path, DEFAULT_HEAD, HEAD_FORMATS_READ, EmbeddingHeadError, "the classifier's embedding head")
     try:
         weights = np.asarray([float(w) for w in data["weights"]], dtype=np.float64)
         if weights.ndim != 1 or weights.size == 0:
@@ -110,6 +145,7 @@ def load_head(path: str | Path | None = None) -> EmbeddingHead:
             float(data["bias"]),
             float(data["ngram_weight"]),
             float(data["length_weight"]),
+            float(data["chars_per_token_weight"]) if data["format"] >= 2 else 0.0,
             float(data["scale"]),
             float(data["shift"]),
             str(data["embedder"]),

@@ -499,17 +499,19 @@ class Router:
         allowed: Collection[str],
         vector: npt.NDArray[np.floating] | None = None,
         fallback: str = "",
+        window: tuple[int, int] | None = None,
     ) -> TierChoice | None:
         """Classify ``body`` and pick the tier's model; None when no tier has a model.
 
         ``vector``: the embedding of ``text_to_embed``'s text, when it was asked for and came
-        (the embedding head scores it); ``fallback``: why it did not come.
+        (the embedding head scores it), and ``window`` the (word pieces, characters) the model
+        read of that text; ``fallback``: why the vector did not come.
         """
         tiers = self.tiers
         if not tiers.active:
             return None
         if vector is not None and self.head is not None:
-            classification = classify(body, tiers.ranges, vector=vector, head=self.head)
+            classification = classify(body, tiers.ranges, vector=vector, window=window, head=self.head)
         else:
             classification = classify(body, tiers.ranges, fallback=fallback)
         rm = self.metrics

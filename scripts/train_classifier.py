@@ -24,11 +24,12 @@ With ``--embedding`` it (also) writes the embedding head, ``routing/data/classif
 
 4. Vectors: every prompt's ``embedding_text`` embedded by the semantic cache's embedder
    (``SentenceTransformerEmbedder``, the shipped model and layers unless ``--model-dir``),
-   whose identity the file records.
-5. Head: the same weighted logistic regression over the vector and ``log1p`` of the
-   prompt's length (``HEAD_LENGTH``), plus ``HEAD_NGRAM_WEIGHT`` times the n-gram model's
-   logit; both extras are kept only where they raised the ``sources`` AUC
-   (bench/results/classifier.md).
+   whose identity the file records, with the window the model read of it (word pieces and
+   the characters they cover: ``embed_windowed``, as the gateway gets it).
+5. Head: the same weighted logistic regression over the vector, ``log1p`` of the prompt's
+   length (``HEAD_LENGTH``) and the window's ``chars_per_token`` (``HEAD_CHARS_PER_TOKEN``),
+   plus ``HEAD_NGRAM_WEIGHT`` times the n-gram model's logit; the extras are kept only where
+   they raised the ``sources`` AUC (bench/results/classifier.md).
 6. Calibration: as in 3, from the ``HEAD_CALIBRATION_PROTOCOL`` out-of-fold logits with
    ``HEAD_EASY_QUANTILE`` / ``HEAD_HARD_QUANTILE``, so the same default tiers hold.
 
@@ -51,7 +52,7 @@ import numpy as np
 
 from bench.classifier_data import EASY, HARD, Prompt, load
 from routing.classifier import DEFAULT_TIERS, MODEL_FORMAT, LinearModel, features
-from routing.embedding_head import DEFAULT_HEAD, HEAD_FORMAT, embedding_text
+from routing.embedding_head import DEFAULT_HEAD, HEAD_FORMAT, chars_per_token, embedding_text
 
 OUT = Path(__file__).resolve().parent.parent / "routing" / "data" / "classifier.json"
 MIN_DF = 3
@@ -74,9 +75,12 @@ LARGE_BOTTOM = DEFAULT_TIERS[-1].min_score
 # The embedding head (``--embedding``).
 HEAD_OUT = OUT.with_name(DEFAULT_HEAD)
 # The recipe that scored best on the `sources` folds (bench/results/classifier.md,
-# "Candidates"): the vector and log length, no n-gram logit, C = 0.3 (of 0.3, 1 and 3).
+# "Candidates"): the vector, log length and characters per token in the model's window, no
+# n-gram logit, C = 0.3 (of 0.3, 1 and 3). Characters per token were picked among several
+# extra inputs on these same folds ("Tried and not shipped" lists the others).
 HEAD_C = 0.3
 HEAD_LENGTH = True
+HEAD_CHARS_PER_TOKEN = True
 HEAD_NGRAM_WEIGHT = 0.0
 # Boundaries from the strictest folds (every kind held out whole): the head's scores there
 # are what a kind of prompt it never read gets. 85% of easy prompts stay small, 75% of hard
@@ -236,13 +240,29 @@ def fit_on(prompts: Sequence[Prompt], feats: Sequence[set[str]], idx: Sequence[i
 
 @dataclass(frozen=True, slots=True)
 class HeadRecipe:
-    """What the head adds to the vector: log length (as an input of the regression) and the
-    n-gram logit (with a fixed weight: fitting it on logits of prompts the n-gram model was
-    trained on would trust it far too much)."""
+    """What the head adds to the vector: log length and characters per token of the model's
+    window (as inputs of the regression), and the n-gram logit (with a fixed weight: fitting
+    it on logits of prompts the n-gram model was trained on would trust it far too much)."""
 
     length: bool = HEAD_LENGTH
     ngram_weight: float = HEAD_NGRAM_WEIGHT
     c: float = HEAD_C
+    chars_per_token: bool = HEAD_CHARS_PER_TOKEN
+
+
+@dataclass(frozen=True, slots=True)
+class PromptVectors:
+    """Every prompt's vector (float64 rows), the window the model read of it (word pieces,
+    characters; ``TokenWindow``), and the identity of the embedder that made them."""
+
+    x: np.ndarray
+    windows: np.ndarray  # (prompts, 2) integers
+    identity: str
+
+    @property
+    def per_token(self) -> np.ndarray:
+        """``chars_per_token`` of each prompt's window, as the gateway computes it."""
+        return np.array([chars_per_token(int(pieces), int(chars)) for pieces, chars in self.windows])
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,24 +271,35 @@ class FittedHead:
     bias: float
     length_weight: float
     ngram_weight: float
+    chars_per_token_weight: float
 
-    def logits(self, x: np.ndarray, lengths: np.ndarray, ngram: np.ndarray) -> np.ndarray:
+    def logits(self, x: np.ndarray, lengths: np.ndarray, per_token: np.ndarray, ngram: np.ndarray) -> np.ndarray:
         """The head's logits as ``routing.embedding_head.EmbeddingHead.logit`` computes them."""
-        return x @ self.weights + self.bias + self.length_weight * np.log1p(lengths) + self.ngram_weight * ngram
+        return (
+            x @ self.weights
+            + self.bias
+            + self.length_weight * np.log1p(lengths)
+            + self.chars_per_token_weight * per_token
+            + self.ngram_weight * ngram
+        )
 
 
-def embed(prompts: Sequence[Prompt], model_dir: Path | None = None) -> tuple[np.ndarray, str]:
-    """Every prompt's ``embedding_text`` embedded as the gateway embeds it, and the embedder's identity."""
+def embed(prompts: Sequence[Prompt], model_dir: Path | None = None) -> PromptVectors:
+    """Every prompt's ``embedding_text`` embedded as the gateway embeds it, with its window."""
     import asyncio
 
     from cache.semantic.embedder import SentenceTransformerEmbedder
 
     texts = [embedding_text(p.text) for p in prompts]
 
-    async def run() -> tuple[np.ndarray, str]:
+    async def run() -> PromptVectors:
         async with SentenceTransformerEmbedder(model_dir, max_batch_size=EMBED_BATCH) as e:
-            parts = [await e.embed(texts[i : i + EMBED_BATCH]) for i in range(0, len(texts), EMBED_BATCH)]
-            return np.concatenate(parts).astype(np.float64), e.identity
+            parts = [await e.embed_windowed(texts[i : i + EMBED_BATCH]) for i in range(0, len(texts), EMBED_BATCH)]
+            if any(part.windows is None for part in parts):
+                raise SystemExit("the embedder reports no token windows (its tokenizer keeps no offsets)")
+            windows = [window for part in parts for window in part.windows or ()]
+            x = np.concatenate([part.vectors for part in parts]).astype(np.float64)
+            return PromptVectors(x, np.array(windows, dtype=np.int64).reshape(-1, 2), e.identity)
 
     return asyncio.run(run())
 
@@ -278,51 +309,66 @@ def lengths_of(prompts: Sequence[Prompt]) -> np.ndarray:
 
 
 def fit_head(
-    x: np.ndarray, lengths: np.ndarray, y: Sequence[int], groups: Sequence[str], recipe: HeadRecipe = HeadRecipe()
+    x: np.ndarray,
+    lengths: np.ndarray,
+    per_token: np.ndarray,
+    y: Sequence[int],
+    groups: Sequence[str],
+    recipe: HeadRecipe = HeadRecipe(),
 ) -> FittedHead:
-    """The weighted logistic regression over the vector (and log length, if the recipe says so)."""
+    """The weighted logistic regression over the vector (and log length and characters per
+    token, if the recipe says so)."""
     from sklearn.linear_model import LogisticRegression
 
-    inputs = np.hstack([x, np.log1p(lengths)[:, None]]) if recipe.length else x
+    extras = [column for on, column in ((recipe.length, np.log1p(lengths)), (recipe.chars_per_token, per_token)) if on]
+    inputs = np.hstack([x, *(column[:, None] for column in extras)])
     clf = LogisticRegression(C=recipe.c, max_iter=5000)
     clf.fit(inputs, np.asarray(y), sample_weight=group_weights(y, groups))
     coef = clf.coef_[0]
     dim = x.shape[1]
     length_weight = float(coef[dim]) if recipe.length else 0.0
-    return FittedHead(coef[:dim].copy(), float(clf.intercept_[0]), length_weight, recipe.ngram_weight)
+    per_token_weight = float(coef[dim + int(recipe.length)]) if recipe.chars_per_token else 0.0
+    return FittedHead(coef[:dim].copy(), float(clf.intercept_[0]), length_weight, recipe.ngram_weight, per_token_weight)
 
 
 def head_out_of_fold(
-    prompts: Sequence[Prompt], x: np.ndarray, ngram: np.ndarray, protocol: str, recipe: HeadRecipe = HeadRecipe()
+    prompts: Sequence[Prompt],
+    vectors: PromptVectors,
+    ngram: np.ndarray,
+    protocol: str,
+    recipe: HeadRecipe = HeadRecipe(),
 ) -> np.ndarray:
     """Each labelled prompt's head logit from a head trained without its fold; ``ngram``: the
     n-gram logits of the same folds (out of fold too). NaN for the middle kinds."""
     train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
-    lengths = lengths_of(prompts)
+    x, lengths, per_token = vectors.x, lengths_of(prompts), vectors.per_token
     logits = np.full(len(prompts), np.nan)
     for held in folds(prompts, protocol):
         out = set(held)
         rest = [i for i in train if i not in out]
         y = [int(prompts[i].label == HARD) for i in rest]
-        head = fit_head(x[rest], lengths[rest], y, [prompts[i].group for i in rest], recipe)
-        logits[held] = head.logits(x[held], lengths[held], np.nan_to_num(ngram[held]))
+        head = fit_head(x[rest], lengths[rest], per_token[rest], y, [prompts[i].group for i in rest], recipe)
+        logits[held] = head.logits(x[held], lengths[held], per_token[held], np.nan_to_num(ngram[held]))
     return logits
 
 
-def train_final_head(prompts: Sequence[Prompt], x: np.ndarray, recipe: HeadRecipe = HeadRecipe()) -> FittedHead:
+def train_final_head(
+    prompts: Sequence[Prompt], vectors: PromptVectors, recipe: HeadRecipe = HeadRecipe()
+) -> FittedHead:
     """The shipped head's weights: every hard and easy prompt."""
     idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
     y = [int(prompts[i].label == HARD) for i in idx]
-    return fit_head(x[idx], lengths_of(prompts)[idx], y, [prompts[i].group for i in idx], recipe)
+    groups = [prompts[i].group for i in idx]
+    return fit_head(vectors.x[idx], lengths_of(prompts)[idx], vectors.per_token[idx], y, groups, recipe)
 
 
-def train_head(prompts: Sequence[Prompt], feats: Sequence[set[str]], x: np.ndarray, identity: str) -> dict[str, Any]:
+def train_head(prompts: Sequence[Prompt], feats: Sequence[set[str]], vectors: PromptVectors) -> dict[str, Any]:
     """The head file's content: trained on every labelled prompt, calibrated out of fold."""
     ngram = out_of_fold(prompts, feats, HEAD_CALIBRATION_PROTOCOL) if HEAD_NGRAM_WEIGHT else np.zeros(len(prompts))
-    logits = head_out_of_fold(prompts, x, ngram, HEAD_CALIBRATION_PROTOCOL)
+    logits = head_out_of_fold(prompts, vectors, ngram, HEAD_CALIBRATION_PROTOCOL)
     scale, shift, t_small, t_large = calibration(logits, prompts, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE)
     idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
-    final = train_final_head(prompts, x)
+    final = train_final_head(prompts, vectors)
     info: dict[str, Any] = {
         "trained_on": dict(sorted(Counter(f"{prompts[i].group}:{prompts[i].label}" for i in idx).items())),
         "boundary_logits": {"small_top": round(t_small, 4), "large_bottom": round(t_large, 4)},
@@ -331,10 +377,11 @@ def train_head(prompts: Sequence[Prompt], feats: Sequence[set[str]], x: np.ndarr
     }
     return {
         "format": HEAD_FORMAT,
-        "embedder": identity,
+        "embedder": vectors.identity,
         "bias": round(final.bias, 6),
         "ngram_weight": final.ngram_weight,
         "length_weight": round(final.length_weight, 6),
+        "chars_per_token_weight": round(final.chars_per_token_weight, 6),
         "scale": round(scale, 6),
         "shift": round(shift, 6),
         "info": info,
@@ -352,11 +399,11 @@ def main() -> None:
     prompts = load()
     feats = [features(p.text) for p in prompts]
     if args.embedding:
-        x, identity = embed(prompts, args.model_dir)
-        head = train_head(prompts, feats, x, identity)
+        vectors = embed(prompts, args.model_dir)
+        head = train_head(prompts, feats, vectors)
         args.head_out.parent.mkdir(parents=True, exist_ok=True)
         args.head_out.write_text(json.dumps(head, separators=(",", ":")) + "\n")
-        print(f"wrote {args.head_out} ({args.head_out.stat().st_size // 1024} KiB, embedder {identity})")
+        print(f"wrote {args.head_out} ({args.head_out.stat().st_size // 1024} KiB, embedder {vectors.identity})")
         print(json.dumps(head["info"], indent=1))
         return
     logits = out_of_fold(prompts, feats, CALIBRATION_PROTOCOL)

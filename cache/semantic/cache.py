@@ -12,7 +12,9 @@ Bounded waits: a lookup waits at most ``embed_timeout_ms`` for its vector, and s
 embedder altogether (``unavailable``) when ``max_pending`` texts are already queued or
 when the store's breaker is open (an answer could not be fetched anyway). A timed-out
 embedding is not wasted: it finishes in the background and the store after the upstream
-answer reuses it (vectors are remembered by text for a while, ``MEMO_SIZE``).
+answer reuses it (vectors are remembered by text for a while, ``MEMO_SIZE``). The complexity
+classifier asks for the same vector first (``vector``), with the window of the text the model
+read (``TextEmbedding``), which costs nothing more: the embedding's tokenisation counts it.
 
 Lifecycle: nothing is loaded until ``start`` (the gateway starts it when a tenant enables
 the semantic cache, at start-up or on the first request after a reload enabled it). With
@@ -30,12 +32,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from cache.config import CacheSettings, SemanticServiceSettings
 from cache.keys import SemanticQuery, split_key
 from cache.metrics import CacheMetrics
-from cache.semantic.embedder import Embedder, SentenceTransformerEmbedder
+from cache.semantic.embed_model import TokenWindow
+from cache.semantic.embedder import Embedder, SentenceTransformerEmbedder, WindowedEmbedder
 from cache.semantic.index import SemanticEntry, SemanticIndex, round_vector
 from cache.semantic.redis_store import SemanticLog
 from cache.semantic.store import SemanticStore
@@ -73,6 +76,13 @@ class Probe:
 
     result: str  # hit, miss, timeout, unavailable
     entry: SemanticEntry | None = None
+
+
+class TextEmbedding(NamedTuple):
+    """One text's vector, and what the model read of it (None: the embedder does not say)."""
+
+    vector: Vector
+    window: TokenWindow | None
 
 
 class _Overloaded(Exception):
@@ -117,7 +127,7 @@ class SemanticCache:
         self.sync: SemanticSync | None = None
         # The running embedder's identity, part of every entry's scope (``entry_scope``).
         self._identity = ""
-        self._memo: OrderedDict[str, asyncio.Future[Vector]] = OrderedDict()
+        self._memo: OrderedDict[str, asyncio.Future[TextEmbedding]] = OrderedDict()
         self._pending = 0
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -294,9 +304,9 @@ class SemanticCache:
 
     # -- embedding --------------------------------------------------------------------------
 
-    async def vector(self, text: str, timeout_s: float) -> tuple[Vector | None, str]:
-        """``text``'s vector for another reader (the complexity classifier), or None and why
-        (``unavailable``: not started or ``max_pending`` reached; ``timeout``).
+    async def vector(self, text: str, timeout_s: float) -> tuple[TextEmbedding | None, str]:
+        """``text``'s vector and window for another reader (the complexity classifier), or None
+        and why (``unavailable``: not started or ``max_pending`` reached; ``timeout``).
 
         It goes through the same memo as ``lookup`` and ``store``: a lookup or store of the
         same text afterwards (or meanwhile) gets this vector, embedded once.
@@ -304,7 +314,7 @@ class SemanticCache:
         if not self.ready:
             return None, "unavailable"
         try:
-            return await self._vector(text, timeout_s), ""
+            return await self._embedding(text, timeout_s), ""
         except _Overloaded:
             return None, "unavailable"
         except TimeoutError:
@@ -312,6 +322,10 @@ class SemanticCache:
 
     async def _vector(self, text: str, timeout_s: float) -> Vector:
         """``text``'s unit vector, shared with concurrent and recent asks for the same text."""
+        return (await self._embedding(text, timeout_s)).vector
+
+    async def _embedding(self, text: str, timeout_s: float) -> TextEmbedding:
+        """``text``'s vector and window, shared with concurrent and recent asks for the same text."""
         future = self._memo.get(text)
         if future is not None:
             self._memo.move_to_end(text)
@@ -327,22 +341,25 @@ class SemanticCache:
         async with asyncio.timeout(timeout_s):
             return await asyncio.shield(future)
 
-    async def _embed(self, text: str) -> Vector:
+    async def _embed(self, text: str) -> TextEmbedding:
         embedder = self._embedder
         assert embedder is not None
         self._pending += 1
         self.metrics.embed_pending.inc()
         started = self._clock()
         try:
-            rows = await embedder.embed([text])
+            if isinstance(embedder, WindowedEmbedder):
+                embedded = await embedder.embed_windowed([text])
+                rows, window = embedded.vectors, embedded.windows[0] if embedded.windows else None
+            else:
+                rows, window = await embedder.embed([text]), None
         finally:
             self._pending -= 1
             self.metrics.embed_pending.dec()
         self.metrics.embed_latency.observe(self._clock() - started)
-        vector: Vector = rows[0]
-        return vector
+        return TextEmbedding(rows[0], window)
 
-    def _settled(self, text: str, future: asyncio.Future[Vector]) -> None:
+    def _settled(self, text: str, future: asyncio.Future[TextEmbedding]) -> None:
         # A failed embedding must not be remembered; reading the exception marks it handled.
         if future.cancelled() or future.exception() is not None:
             if self._memo.get(text) is future:

@@ -269,10 +269,23 @@ async def test_the_classifiers_vector_is_the_one_the_lookup_and_store_use() -> N
         text = cache.semantic_text(CHAT, body(f"  {question} "), ON, None)
         assert text == question
         assert cache.semantic is not None
-        vector, why = await cache.semantic.vector(text, 1.0)
-        assert vector is not None and why == ""
+        embedding, why = await cache.semantic.vector(text, 1.0)
+        assert embedding is not None and why == ""
+        assert embedding.window is None  # this embedder does not say what its model read
         await remember(cache, question)  # lookup (a miss) and store of the same text
         assert embedder.calls == 1
+
+
+async def test_the_classifier_gets_the_window_with_the_same_vector() -> None:
+    """A windowed embedder's window comes with the vector; the vector is ``embed``'s, bit for bit."""
+    async with make() as cache:
+        assert cache.semantic is not None
+        question = "What is the capital of France?"
+        embedding, _ = await cache.semantic.vector(question, 1.0)
+        assert embedding is not None
+        # Six words and a symbol, and the two end markers; all 30 characters read.
+        assert embedding.window == (9, 30)
+        assert embedding.vector.tobytes() == HashingEmbedder().embed_now([question])[0].tobytes()
 
 
 async def test_the_classifiers_vector_is_bounded_like_a_lookup() -> None:
@@ -282,8 +295,8 @@ async def test_the_classifiers_vector_is_bounded_like_a_lookup() -> None:
         assert await cache.semantic.vector("first question", 0.02) == (None, "timeout")
         assert await cache.semantic.vector("second question", 1.0) == (None, "unavailable")  # one pending
         embedder.gate.set()
-        vector, _ = await cache.semantic.vector("first question", 1.0)  # the timed-out one, finished
-        assert vector is not None and embedder.calls == 1
+        embedding, _ = await cache.semantic.vector("first question", 1.0)  # the timed-out one, finished
+        assert embedding is not None and embedder.calls == 1
     idle = make()  # never started
     assert idle.semantic is not None and await idle.semantic.vector("x", 1.0) == (None, "unavailable")
 

@@ -25,6 +25,7 @@ from routing.embedding_head import (
     EMBED_MAX_CHARS,
     EmbeddingHead,
     EmbeddingHeadError,
+    chars_per_token,
     default_head,
     embedding_text,
     load_head,
@@ -37,8 +38,10 @@ def user(text: str) -> dict[str, object]:
     return {"model": "auto", "messages": [{"role": "user", "content": text}]}
 
 
-def head(ngram_weight: float = 0.0, length_weight: float = 0.0) -> EmbeddingHead:
-    return EmbeddingHead(np.array([2.0, -1.0, 0.0]), -0.5, ngram_weight, length_weight, 1.0, 0.0, "emb-1")
+def head(ngram_weight: float = 0.0, length_weight: float = 0.0, per_token_weight: float = 0.0) -> EmbeddingHead:
+    return EmbeddingHead(
+        np.array([2.0, -1.0, 0.0]), -0.5, ngram_weight, length_weight, per_token_weight, 1.0, 0.0, "emb-1"
+    )
 
 
 def sigmoid(z: float) -> float:
@@ -69,6 +72,32 @@ def test_the_ngram_part_and_length_add_to_the_logit_and_show_their_features() ->
     assert c.header() == f"score={c.score:.2f}; embedding(emb+1.50,ngram+1.00,len+{length:.2f}); +w:integral"
 
 
+def test_characters_per_token_of_the_window_add_to_the_logit_and_show_in_the_header() -> None:
+    text = "def f(x): return x**2"
+    vector = np.array([1.0, 0.0, 0.0], dtype=np.float32)
+    # The model read 12 word pieces (its two end markers included) covering all 21 characters.
+    c = classify(user(text), vector=vector, window=(12, 21), head=head(length_weight=0.1, per_token_weight=-2.0))
+    length, per_token = 0.1 * math.log1p(21), -2.0 * math.log(21 / 12)
+    assert per_token == pytest.approx(-1.119, abs=1e-3)
+    assert c.score == round(sigmoid(2.0 - 0.5 + length + per_token), 3)
+    assert c.header() == f"score={c.score:.2f}; embedding(emb+1.50,len+{length:.2f},cpt-1.12); none"
+
+
+def test_a_head_that_weighs_the_window_needs_one() -> None:
+    h = head(per_token_weight=-2.0)
+    assert h.uses_window and not head().uses_window
+    with pytest.raises(ValueError, match="token window"):
+        h.logit(np.array([1.0, 0.0, 0.0]), 0.0, 10)
+    # A head without the input ignores a window given to it.
+    assert head().logit(np.array([1.0, 0.0, 0.0]), 0.0, 10, (3, 10)).chars_per_token == 0.0
+
+
+def test_chars_per_token_is_the_log_ratio_and_never_infinite() -> None:
+    assert chars_per_token(4, 20) == pytest.approx(math.log(5.0))
+    assert chars_per_token(2, 0) == pytest.approx(math.log(0.5))  # an empty text: one character counted
+    assert chars_per_token(0, 0) == 0.0
+
+
 def test_without_a_vector_the_ngram_model_decides_and_the_header_says_why() -> None:
     plain = classify(user("What is the capital of France?"))
     assert plain.head == NGRAM and plain.header().startswith(f"score={plain.score:.2f}; ngram; -")
@@ -78,7 +107,7 @@ def test_without_a_vector_the_ngram_model_decides_and_the_header_says_why() -> N
 
 
 def test_calibration_maps_logits_through_scale_and_shift() -> None:
-    h = EmbeddingHead(np.array([1.0]), 0.0, 0.0, 0.0, 2.0, -1.0, "e")
+    h = EmbeddingHead(np.array([1.0]), 0.0, 0.0, 0.0, 0.0, 2.0, -1.0, "e")
     assert h.score(0.5) == pytest.approx(0.5)
     assert h.score(1.5) == pytest.approx(sigmoid(2.0))
     assert h.score(-800.0) == 0.0 and h.score(800.0) == 1.0  # no overflow either way
@@ -117,7 +146,15 @@ def test_head_file_errors(tmp_path: Path) -> None:
         "embedder": "e",
     }
     bad.write_text(json.dumps(good))
-    assert load_head(bad).dimension == 2
+    # Format 1 (before the window's input): read as it scored, with that input's weight 0.
+    old = load_head(bad)
+    assert old.dimension == 2 and old.chars_per_token_weight == 0.0 and not old.uses_window
+    # Format 2 must carry the weight.
+    bad.write_text(json.dumps({**good, "format": 2}))
+    with pytest.raises(EmbeddingHeadError, match="malformed"):
+        load_head(bad)
+    bad.write_text(json.dumps({**good, "format": 2, "chars_per_token_weight": -1.5}))
+    assert load_head(bad).chars_per_token_weight == -1.5
 
 
 def test_shipped_head_fits_the_semantic_cache_embedder_and_the_default_tiers() -> None:
@@ -125,6 +162,7 @@ def test_shipped_head_fits_the_semantic_cache_embedder_and_the_default_tiers() -
     assert h.dimension == 384  # all-MiniLM-L6-v2
     data = json.loads(SHIPPED.read_text())
     assert data["embedder"] == h.embedder and len(h.embedder) == 16
+    assert data["format"] == 2 and h.uses_window and h.length_weight != 0.0
     bounds = data["info"]["boundary_logits"]
     assert h.score(bounds["small_top"]) == pytest.approx(DEFAULT_TIERS[0].max_score, abs=1e-3)
     assert h.score(bounds["large_bottom"]) == pytest.approx(DEFAULT_TIERS[-1].min_score, abs=1e-3)

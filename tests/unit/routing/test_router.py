@@ -305,7 +305,7 @@ def test_next_attempt_is_a_replica_or_why_there_is_none() -> None:
 
 def head_router(embedding: str, specs: list[PoolSpec] = TIERED) -> tuple[Router, CollectorRegistry]:
     """A tiered router with a one-weight embedding head (score = sigmoid(4 * v[0] - 2))."""
-    head = EmbeddingHead(np.array([4.0, 0.0]), -2.0, 0.0, 0.0, 1.0, 0.0, "e")
+    head = EmbeddingHead(np.array([4.0, 0.0]), -2.0, 0.0, 0.0, 0.0, 1.0, 0.0, "e")
     replicas = {s.model: [replica(s.model, 0)] for s in specs}
     return build(specs, replicas, head, classifier={"embedding": embedding})
 
@@ -347,3 +347,13 @@ def test_choose_tier_with_a_vector_uses_the_head_and_counts_heads() -> None:
         )
 
     assert count("embedding", "none") == 1 and count("ngram", "timeout") == 1
+
+
+def test_choose_tier_hands_the_window_to_a_head_that_weighs_it() -> None:
+    # score = sigmoid(4 * v[0] - 2 - 1.0 * log(chars / pieces))
+    head = EmbeddingHead(np.array([4.0, 0.0]), -2.0, 0.0, 0.0, -1.0, 1.0, 0.0, "e")
+    router, _ = build(TIERED, {s.model: [replica(s.model, 0)] for s in TIERED}, head)
+    # 40 characters in 10 word pieces: -log(4) = -1.386; sigmoid(2 - 1.386) = 0.649.
+    choice = router.choose_tier(chat("hi"), None, (), np.array([1.0, 0.0], dtype=np.float32), "", (10, 40))
+    assert choice is not None and choice.classification.score == 0.649
+    assert choice.header() == "score=0.65; embedding(emb+2.00,cpt-1.39); none; tier=large; classified"
