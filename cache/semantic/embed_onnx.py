@@ -147,10 +147,21 @@ class OnnxModel:
             return None
         pieces: list[int] = np.asarray(encoded["attention_mask"]).sum(axis=1).tolist()
         return tuple(
-            TokenWindow(n, len(text) if n < self._max_length else max(end for _, end in encoded.encodings[row].offsets))
+            TokenWindow(n, len(text) if n < self._max_length else _covered(encoded.encodings[row], n))
             for row, (text, n) in enumerate(zip(texts, pieces, strict=True))
         )
 
     def _run(self, features: dict[str, Any]) -> Embeddings:
         (vectors,) = self._session.run(None, features)
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def _covered(encoding: Any, pieces: int) -> int:
+    """Characters a truncated text's window covers: where its last word piece ends (the end
+    marker after it has no characters). Walked back one piece at a time: building the whole
+    offsets list would cost some forty times as much."""
+    for index in range(pieces - 1, -1, -1):
+        span = encoding.token_to_chars(index)
+        if span is not None:
+            return int(span[1])
+    return 0
