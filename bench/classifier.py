@@ -241,6 +241,27 @@ def embedding_cost(texts: Sequence[str]) -> Cost:
     return asyncio.run(run())
 
 
+def window_cost(texts: Sequence[str]) -> Cost:
+    """What reporting a text's token window adds to its embedding: the window read from the
+    tokenisation the embedding runs anyway (``OnnxModel._windows``), every text ``REPEATS``
+    times, one at a time as a lone lookup runs it."""
+    import asyncio
+
+    from cache.semantic.embedder import SentenceTransformerEmbedder
+
+    async def run() -> Cost:
+        async with SentenceTransformerEmbedder() as e:
+            model = e._model
+            assert model is not None
+            tokenizer, width = model._tokenizer, model._max_length
+            encoded = [
+                tokenizer([t], padding=False, truncation=True, max_length=width, return_tensors="np") for t in texts
+            ]
+            return timing(texts, lambda i, body: model._windows([texts[i]], encoded[i]))
+
+    return asyncio.run(run())
+
+
 def head_scores(head: EmbeddingHead, logits: np.ndarray) -> np.ndarray:
     return np.array([head.score(v) if not np.isnan(v) else np.nan for v in logits])
 
@@ -388,7 +409,7 @@ def main() -> None:
         windows = [(int(pieces), int(chars)) for pieces, chars in vectors.windows]
         costs.append(
             (
-                "embedding head, on a given vector (`classify(body, vector=v)`)",
+                "embedding head, on a given vector and window (`classify(body, vector=v, window=w)`)",
                 timing(
                     texts,
                     lambda i, body: classify(body, vector=rows[i], window=windows[i], head=head),
@@ -429,6 +450,7 @@ def main() -> None:
     if head is not None:
         sample = texts[:: max(1, len(texts) // EMBED_COST_SAMPLE)][:EMBED_COST_SAMPLE]
         embedding = embedding_cost([embedding_text(t) for t in sample])
+        window = window_cost([embedding_text(t) for t in texts])
         lines += [
             "",
             f"The embedding itself (what `embedding: always` adds to a request the semantic cache does not embed): "
@@ -442,6 +464,12 @@ def main() -> None:
             "slowest |",
             "| --- | ---: | ---: | ---: | ---: | ---: |",
             cost_row("one text", embedding, "ms"),
+            cost_row(
+                f"its token window, read from the same tokenisation (all {len(texts)} prompts x {REPEATS})", window
+            ),
+            "",
+            "The token window (word pieces the model read, characters they cover) is what `embed_windowed` adds to "
+            "the embedding for the head's characters-per-token input; it is in the embedding's time above.",
             "",
             "## Candidates: the head's recipes (AUC hard vs easy, out of fold)",
             "",
