@@ -120,12 +120,19 @@ async def trim_when_idle(
     every_s: float = CHECK_EVERY_S,
 ) -> None:
     """Every ``every_s``, ask ``policy`` with ``counters()`` (requests in flight, requests
-    started so far); release when it says so. Runs until cancelled."""
+    started so far); release when it says so. Runs until cancelled.
+
+    A release that raises is logged and the loop goes on: the next idle period tries again
+    (an exception would otherwise end the task, and idle releases with it, unseen)."""
     while True:
         await asyncio.sleep(every_s)
         in_flight, started = counters()
         if policy.observe(in_flight, started, clock()):
-            done = release()
+            try:
+                done = release()
+            except Exception:
+                log.exception("idle: memory release failed; trying again after the next idle period")
+                continue
             log.info(
                 "idle: memory released",
                 extra={

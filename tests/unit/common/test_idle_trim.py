@@ -88,3 +88,31 @@ def test_malloc_trim_is_found_on_glibc_only() -> None:
         assert trim() in (0, 1)  # 1: memory was returned, 0: there was none to return
     else:
         assert trim is None
+
+
+async def test_a_release_that_raises_is_logged_and_the_next_idle_period_releases_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = [0.0]
+    counters = [(0, 0)]
+    calls: list[tuple[int, int]] = []
+
+    def release() -> Released:
+        calls.append(counters[0])
+        if len(calls) == 1:
+            raise OSError("madvise failed")
+        return Released(collected=0, trimmed=True, duration_s=0.001, rss_before_mb=None, rss_after_mb=None)
+
+    caplog.set_level(logging.INFO, logger="common.idle_trim")
+    task = asyncio.create_task(trim_when_idle(IdleTrim(2), lambda: counters[0], release, lambda: clock[0], 0.001))
+    for step in [(0, 0)] * 4 + [(1, 1)] * 2 + [(0, 1)] * 5:  # idle (fails), busy, idle (succeeds)
+        counters[0] = step
+        clock[0] += 1.0
+        await asyncio.sleep(0.01)
+    assert not task.done()  # the failure did not end the task
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert calls == [(0, 0), (0, 1)]
+    assert [r.levelname for r in caplog.records] == ["ERROR", "INFO"]
+    assert caplog.records[0].exc_info is not None
