@@ -510,6 +510,10 @@ class Router:
         tiers = self.tiers
         if not tiers.active:
             return None
+        if vector is not None and self.head is not None and window is None and self.head.uses_window:
+            # An embedder that did not say what its model read (a tokenizer without offsets):
+            # the head cannot score without it.
+            vector, fallback = None, "mismatch"
         if vector is not None and self.head is not None:
             classification = classify(body, tiers.ranges, vector=vector, window=window, head=self.head)
         else:

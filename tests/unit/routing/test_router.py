@@ -357,3 +357,8 @@ def test_choose_tier_hands_the_window_to_a_head_that_weighs_it() -> None:
     choice = router.choose_tier(chat("hi"), None, (), np.array([1.0, 0.0], dtype=np.float32), "", (10, 40))
     assert choice is not None and choice.classification.score == 0.649
     assert choice.header() == "score=0.65; embedding(emb+2.00,cpt-1.39); none; tier=large; classified"
+    # A vector without its window (an embedder whose tokenizer keeps no offsets): n-grams
+    # classify, and the header says why, instead of the head failing the request.
+    bare = router.choose_tier(chat("hi"), None, (), np.array([1.0, 0.0], dtype=np.float32), "", None)
+    assert bare is not None and bare.classification.head == "ngram"
+    assert "; ngram(mismatch); " in bare.header()
