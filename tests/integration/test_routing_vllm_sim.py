@@ -5,36 +5,49 @@ caches hold 60% of 32 shared system prompts each, behind one and two ``fleetgate
 processes. The simulator evicts in blocks as vLLM does, so a policy that spreads every
 prompt over every replica thrashes here too; prefix affinity keeps up with a client that
 hashes each prompt to a fixed replica, with one gateway pod or two.
+
+Two prompt sets, each row's figures averaged over both: on one set alone the two-pod row's
+hit rate swung from 0.64 to 0.73 between runs of the same code (how soon two pods settle on
+the same homes depends on which pod serves a prompt's first requests), against 0.74 for the
+hash, so one set could fail the bar by chance.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
+from statistics import fmean
 
 from bench.routing_vllm import BenchConfig, RowResult, run_engine
 
-SMOKE = BenchConfig(engine="sim", requests=320, seeds=(1,))
+SMOKE = BenchConfig(engine="sim", requests=320, seeds=(1, 2))
 
 
 def test_the_simulator_shows_what_prefix_placement_is_worth_under_kv_pressure() -> None:
     run = asyncio.run(run_engine(SMOKE, print))
-    rows = {r.row: r for r in run["_results"]}
-    assert all(r.errors == 0 for r in rows.values())
+    results: list[RowResult] = run["_results"]
+    assert {r.seed for r in results} == set(SMOKE.seeds)
+    assert all(r.errors == 0 for r in results)
     assert run["kv_capacity_tokens_scraped"] == [run["blocks_per_replica"] * 128] * 2
+    hit, late = _means(results)
     # Within a few points of the hash: the first requests of each prompt come before the
     # pass that homes it (seen -0.01 to -0.02 over the row on a loaded machine; -0.04 to
     # -0.063 while a full home still sent prompts to a replica without their prefix).
-    reference = rows["client_hash"]
     for name in ("prefix_affinity", "prefix_affinity x2"):
-        row = rows[name]
-        assert row.hit_rate >= reference.hit_rate - 0.07, (name, row.hit_rate, reference.hit_rate)
-        assert _second_half(row) >= _second_half(reference) - 0.07, (name, row.quarters, reference.quarters)
+        assert hit[name] >= hit["client_hash"] - 0.07, (name, hit[name], hit["client_hash"])
+        assert late[name] >= late["client_hash"] - 0.07, (name, late[name], late["client_hash"])
     # Two pods agree on the homes: as good as one (seen -0.03 to +0.02).
-    assert rows["prefix_affinity x2"].hit_rate >= rows["prefix_affinity"].hit_rate - 0.04
+    assert hit["prefix_affinity x2"] >= hit["prefix_affinity"] - 0.04, hit
     for baseline in ("round_robin", "least_requests"):
-        assert rows["prefix_affinity"].hit_rate > rows[baseline].hit_rate + 0.15, (baseline, rows[baseline].hit_rate)
+        assert hit["prefix_affinity"] > hit[baseline] + 0.15, (baseline, hit[baseline])
 
 
-def _second_half(row: RowResult) -> float:
-    """The mean hit rate of the row's last two quarters: once every prompt has been seen."""
-    return sum(row.quarters[2:]) / 2
+def _means(results: list[RowResult]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per row: the hit rate, and the mean of its last two quarters (once every prompt has
+    been seen), each averaged over the prompt sets."""
+    hits: defaultdict[str, list[float]] = defaultdict(list)
+    lates: defaultdict[str, list[float]] = defaultdict(list)
+    for r in results:
+        hits[r.row].append(r.hit_rate)
+        lates[r.row].append(sum(r.quarters[2:]) / 2)
+    return {k: fmean(v) for k, v in hits.items()}, {k: fmean(v) for k, v in lates.items()}
