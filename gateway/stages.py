@@ -43,7 +43,6 @@ from cache.entry import CachedCompletion
 from cache.keys import endpoint_kind
 from cache.replay import new_completion_id, replay_json, replay_sse
 from cache.semantic.cache import TextEmbedding
-from cache.semantic.embedder import WindowedEmbedder
 from cache.service import CacheHit, ResponseCache
 from gateway.auth import KeyRing
 from gateway.autoscale import PendingTokens
@@ -323,7 +322,7 @@ class Stages:
             return None, "unavailable"
         embedder = semantic.embedder
         # A head that weighs the window needs an embedder that reports it (the shipped one does).
-        windowed = not head.uses_window or isinstance(embedder, WindowedEmbedder)
+        windowed = not head.uses_window or semantic.reports_windows
         if embedder is None or not windowed or not head.accepts(semantic.identity, embedder.dimension):
             if not self._warned_mismatch:
                 self._warned_mismatch = True

@@ -122,6 +122,9 @@ class SemanticCache:
         self._starting: asyncio.Task[None] | None = None
         self._stack = contextlib.AsyncExitStack()
         self._embedder: Embedder | None = None
+        # The same embedder when it reports token windows (``WindowedEmbedder``), decided once
+        # at start: a runtime-checkable Protocol costs ~10 µs per isinstance.
+        self._windowed: WindowedEmbedder | None = None
         self._verifier: SemanticVerifier | None = None
         self.index: SemanticIndex | None = None
         self.sync: SemanticSync | None = None
@@ -139,6 +142,11 @@ class SemanticCache:
     def embedder(self) -> Embedder | None:
         """The running embedder (None until started)."""
         return self._embedder
+
+    @property
+    def reports_windows(self) -> bool:
+        """Whether the running embedder says what its model read of each text (``TokenWindow``)."""
+        return self._windowed is not None
 
     @property
     def identity(self) -> str:
@@ -211,6 +219,7 @@ class SemanticCache:
             await self._stack.aclose()
             raise
         self._embedder, self._verifier, self.index = embedder, verifier, index
+        self._windowed = embedder if isinstance(embedder, WindowedEmbedder) else None
         self._identity = embedder.identity
         if isinstance(embedder, SentenceTransformerEmbedder):
             self.metrics.watch_embedder(lambda: (embedder.stats.batches, embedder.stats.texts))
@@ -348,8 +357,8 @@ class SemanticCache:
         self.metrics.embed_pending.inc()
         started = self._clock()
         try:
-            if isinstance(embedder, WindowedEmbedder):
-                embedded = await embedder.embed_windowed([text])
+            if self._windowed is not None:
+                embedded = await self._windowed.embed_windowed([text])
                 rows, window = embedded.vectors, embedded.windows[0] if embedded.windows else None
             else:
                 rows, window = await embedder.embed([text]), None
