@@ -29,7 +29,7 @@ Method, all real processes on this machine:
   growth (a leak) from the allocator keeping its high-water mark;
 - the health probes' "replica down" lines and the machine's load average are reported: on
   a shared machine a starved replica can miss its probes; and, from the gateway's
-  ``/metrics`` at the end, its failed upstream attempts by kind (connect, timeout, status,
+  ``/metrics`` at the end, its failed upstream attempts by kind (connect, connect_timeout, timeout, status,
   stream) and failed health probes: what a client's error came from;
 - event-loop lag: the gateway's own ``fleetgate_event_loop_lag_seconds`` histogram (a 0.1 s
   timer, how late it ran), its p99 over the load phase (bucket upper bound);

@@ -36,7 +36,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.progress_timeout import ProgressTimeout
 from gateway.settings import UpstreamSettings
 from gateway.sse import SseScanner, error_event
-from gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
+from gateway.upstream import ConnectTimeout, UpstreamClient, UpstreamError, UpstreamResponse
 from replicas.replica import Claim, Replica
 from routing.router import EXHAUSTED, NO_REPLICA
 
@@ -200,6 +200,8 @@ class Proxy:
                 timeout_s=self.settings.request_timeout_s,
             )
             ctype = ctype or "application/json"
+        except ConnectTimeout as exc:
+            raise UpstreamFailure("connect_timeout", f"{replica.id}: {exc}") from exc
         except TimeoutError as exc:
             raise UpstreamFailure("timeout", f"{replica.id} timed out") from exc
         except UpstreamError as exc:
@@ -304,6 +306,8 @@ class Proxy:
                     resp.release()
                     raise UpstreamFailure("eof", f"{replica.id} closed the stream before any token")
                 return resp, first
+        except ConnectTimeout as exc:
+            raise UpstreamFailure("connect_timeout", f"{replica.id}: {exc}") from exc
         except TimeoutError as exc:
             if resp is not None:
                 resp.close()
@@ -432,6 +436,10 @@ def _exhausted(ex: Exchange, last: UpstreamFailure | None) -> GatewayError:
         )
     if last is not None and last.kind == "timeout":
         return GatewayTimeout(f"The replica did not answer in time after {ex.attempts} attempt(s).")
+    if last is not None and last.kind == "connect_timeout":
+        return GatewayTimeout(
+            f"No replica accepted a connection in time ({ex.attempts} attempt(s)).", code="upstream_connect_timeout"
+        )
     if ex.stop == "retry_budget":
         return BadGateway(
             f"The replica failed ({ex.attempts} attempt(s)); retries are paused while many requests fail.",

@@ -40,6 +40,11 @@ class UpstreamError(Exception):
     """The replica could not be reached or broke the exchange."""
 
 
+class ConnectTimeout(TimeoutError):
+    """No connection to the replica within ``connect_timeout_s``: a host that is gone or
+    unreachable, where a plain ``TimeoutError`` is a replica that took too long to answer."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Origin:
     host: str
@@ -339,7 +344,12 @@ class UpstreamClient:
         )
         try:
             await _within(connecting, self.connect_timeout_s)
-        except BaseException:  # TimeoutError (connect_timeout_s) is the caller's to see
+        except TimeoutError:
+            _abandon(connecting)
+            raise ConnectTimeout(
+                f"no connection to {origin.host}:{origin.port} within {self.connect_timeout_s} s"
+            ) from None
+        except BaseException:
             _abandon(connecting)
             raise
         try:

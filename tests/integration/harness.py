@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -238,6 +239,29 @@ class GatewayProcess:
 
     def stdout(self) -> str:
         return self.stdout_path.read_text()
+
+
+@contextlib.contextmanager
+def unreachable_port() -> Iterator[int]:
+    """A local port where connect() hangs: a listener with a backlog of 0 that is full, so
+    the kernel drops every further SYN (as from a host that is gone)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        yield port
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
 
 
 @contextlib.contextmanager

@@ -36,7 +36,15 @@ import pytest
 from aiohttp import web
 
 from replicas.launcher import free_port
-from tests.integration.harness import API_KEY, ROOT, FaultyUpstream, GatewayProcess, gateway_process, tenants
+from tests.integration.harness import (
+    API_KEY,
+    ROOT,
+    FaultyUpstream,
+    GatewayProcess,
+    gateway_process,
+    tenants,
+    unreachable_port,
+)
 from tests.integration.redis_server import RedisServer
 
 MODEL = "m"
@@ -373,6 +381,34 @@ def test_a_hung_replica_is_timed_out_retried_and_back_once_it_answers(tmp_path: 
                 served_by.add(stream().headers["x-fleetgate-replica"])
                 time.sleep(0.1)
             assert "m-0" in served_by, "the replica never came back into rotation"
+            assert error_lines(gw) == []
+
+
+def test_a_replica_that_takes_no_connection_is_told_from_one_that_does_not_answer(tmp_path: Path) -> None:
+    """A host that is gone (connect() hangs) and a replica that took the connection but
+    answers nothing (SIGSTOP) both end in a 504, each with its own code and failure kind, so
+    a client and an operator can tell a dead address from a slow model."""
+    with unreachable_port() as port, sim_process("--ttft-ms", "1") as hung:
+        config = {
+            "models": [
+                {"name": "gone", "replicas": [{"url": f"http://127.0.0.1:{port}", "probe": "none"}]},
+                {"name": MODEL, "replicas": [{"url": hung.url}]},
+            ],
+            "health": {"interval_s": 0.2, "timeout_s": 5.0},
+            "upstream": {"max_attempts": 1, "connect_timeout_s": 0.3, "request_timeout_s": 0.6},
+        }
+        with gateway_process(config, tmp_path) as gw:
+            os.kill(hung.pid, signal.SIGSTOP)
+            try:
+                body = {**chat(2), "model": "gone"}
+                gone = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+                slow = httpx.post(f"{gw.url}/v1/chat/completions", json=chat(2), headers=AUTH, timeout=30)
+            finally:
+                os.kill(hung.pid, signal.SIGCONT)
+            assert gone.status_code == 504 and gone.json()["error"]["code"] == "upstream_connect_timeout", gone.text
+            assert slow.status_code == 504 and slow.json()["error"]["code"] == "upstream_timeout", slow.text
+            assert metric(gw, "fleetgate_upstream_errors_total", kind="connect_timeout") == 1
+            assert metric(gw, "fleetgate_upstream_errors_total", kind="timeout") == 1
             assert error_lines(gw) == []
 
 
