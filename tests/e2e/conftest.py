@@ -291,6 +291,20 @@ class E2EGateway:
                     records.append(record)
         return records
 
+    async def access_line(self, request_id: str, timeout_s: float) -> dict[str, Any]:
+        """The gateway's access-log line (stdout) for ``request_id``, waiting up to ``timeout_s``
+        for it: a stream's line is written just after its last byte went out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for line in self.gw.stdout().splitlines():
+                with contextlib.suppress(ValueError):
+                    entry = json.loads(line)
+                    if isinstance(entry, dict) and entry.get("request_id") == request_id:
+                        return entry
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"no access-log line for {request_id} within {timeout_s:g} s")
+            await asyncio.sleep(0.1)
+
     def logged_at(self, msg: str, replica_id: str, after: float = 0.0) -> float | None:
         """Wall-clock time of the first ``msg`` logged about a replica at or after ``after``."""
         for record in self.log_records():
