@@ -35,7 +35,7 @@ from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange, Picker
 from gateway.metrics import GatewayMetrics
 from gateway.progress_timeout import ProgressTimeout
 from gateway.settings import UpstreamSettings
-from gateway.sse import SseScanner, error_event
+from gateway.sse import SseError, SseScanner, error_event
 from gateway.upstream import ConnectTimeout, UpstreamClient, UpstreamError, UpstreamResponse
 from replicas.replica import Claim, Replica
 from routing.router import EXHAUSTED, NO_REPLICA
@@ -384,6 +384,8 @@ class Proxy:
                 await self._broken(ex, response, f"The replica sent nothing for {gap:g} s; the stream was cut.")
         except UpstreamError:
             await self._broken(ex, response, "The replica's connection broke mid-stream.")
+        except SseError as exc:
+            await self._broken(ex, response, f"The replica's stream was cut: {exc}.")
         else:
             if not scanner.done:
                 await self._broken(ex, response, "The replica ended the stream early.")

@@ -6,7 +6,14 @@ events (≈ tokens, for timing and load accounting), notices ``[DONE]``, and par
 event that carries ``usage``, dropping it when the client did not ask for it (the gateway
 always asks upstream for usage, to settle limits on real counts).
 
-Events are separated by a blank line (``\\n\\n``), as vLLM and OpenAI send them.
+Events are separated by a blank line. vLLM and OpenAI end lines with ``\\n``; SSE allows
+``\\r\\n`` and ``\\r`` too (https://html.spec.whatwg.org/multipage/server-sent-events.html,
+"Parsing an event stream"), and servers built on sse-starlette, llama-cpp-python's among them,
+send ``\\r\\n``. Such a stream is turned into ``\\n`` line ends as it passes, so that its
+events are relayed as they come (not held until the stream ends) and usage, the cache and
+the gateway's own error event see one form; a stream without ``\\r`` costs one scan for it.
+An event still unfinished past ``MAX_EVENT_BYTES`` is not one a server means to finish: the
+scanner raises ``SseError`` instead of holding the stream in memory.
 """
 
 from __future__ import annotations
@@ -16,30 +23,60 @@ from typing import Any
 import orjson
 
 _SEP = b"\n\n"
+_CR = b"\r"
 _USAGE = b'"usage"'
+# A token event is a few hundred bytes, a few KiB with logprobs; a final event with every
+# choice's usage or logprobs stays well under this.
+MAX_EVENT_BYTES = 8 * 1024 * 1024
+
+
+class SseError(Exception):
+    """The replica's stream cannot be relayed as SSE: an event longer than ``MAX_EVENT_BYTES``."""
 
 
 class SseScanner:
     """Feed it chunks; it returns the bytes to forward and keeps what it learned."""
 
-    __slots__ = ("_carry", "_drop_usage", "done", "events", "usage")
+    __slots__ = ("_after_cr", "_carry", "_drop_usage", "done", "events", "usage")
 
     def __init__(self, *, drop_usage: bool) -> None:
         self._drop_usage = drop_usage
-        self._carry = b""
+        # An unfinished event: grown in place, so an event over many chunks costs linear time.
+        self._carry = bytearray()
+        # The last chunk ended in "\r": a "\n" opening the next one is the same line end.
+        self._after_cr = False
         self.events = 0
         self.done = False
         self.usage: dict[str, Any] | None = None
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
-        """Complete events from ``chunk`` (plus what was held back), and how many carry tokens."""
-        data = self._carry + chunk if self._carry else chunk
-        end = data.rfind(_SEP)
-        if end == -1:
-            self._carry = data
-            return b"", 0
-        end += len(_SEP)
-        complete, self._carry = (data, b"") if end == len(data) else (data[:end], data[end:])
+        """Complete events from ``chunk`` (plus what was held back), and how many carry tokens.
+
+        Raises ``SseError`` when the event being held back grows past ``MAX_EVENT_BYTES``.
+        """
+        if self._after_cr or _CR in chunk:
+            chunk = self._to_lf(chunk)
+        carry = self._carry
+        if carry:
+            # A separator may straddle the join: look from the carry's last byte on.
+            start = len(carry) - 1
+            carry += chunk
+            end = carry.rfind(_SEP, start)
+            if end == -1:
+                return self._held()
+            end += len(_SEP)
+            complete = bytes(carry[:end])
+            del carry[:end]
+        else:
+            end = chunk.rfind(_SEP)
+            if end == -1:
+                carry += chunk
+                return self._held()
+            end += len(_SEP)
+            complete = chunk
+            if end < len(chunk):
+                complete = chunk[:end]
+                carry += chunk[end:]
         n = complete.count(b"data:")
         if b"[DONE]" in complete:
             self.done = True
@@ -74,10 +111,25 @@ class SseScanner:
             pos = block.find(_USAGE, pos + 1)
         return block, n
 
+    def _held(self) -> tuple[bytes, int]:
+        if len(self._carry) > MAX_EVENT_BYTES:
+            raise SseError(f"the replica sent an event longer than {MAX_EVENT_BYTES} bytes")
+        return b"", 0
+
+    def _to_lf(self, chunk: bytes) -> bytes:
+        """``chunk`` with "\\r\\n" and lone "\\r" line ends made "\\n" (one split between two
+        chunks included)."""
+        if not chunk:
+            return chunk
+        if self._after_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        self._after_cr = chunk.endswith(_CR)
+        return chunk.replace(b"\r\n", b"\n").replace(_CR, b"\n")
+
     @property
     def pending(self) -> bytes:
         """Bytes of an unfinished event held back (non-empty only if the stream broke)."""
-        return self._carry
+        return bytes(self._carry)
 
 
 def error_event(message: str, code: str, type_: str = "server_error") -> bytes:

@@ -178,6 +178,37 @@ class FaultyUpstream(_ScriptedUpstream):
         return response
 
 
+class CrlfSseUpstream(_ScriptedUpstream):
+    """An OpenAI-compatible server that frames SSE as sse-starlette does by default, with
+    ``\\r\\n`` line ends (llama-cpp-python's server is built on it; sse-starlette is not
+    in this environment, so its framing is written out here). It streams ``tokens`` words,
+    ``gap_s`` apart, then usage and ``[DONE]``; ``last_sent`` is set once the last word is out."""
+
+    def __init__(self, model: str, tokens: int, gap_s: float) -> None:
+        self.model, self.tokens, self.gap_s = model, tokens, gap_s
+        self.last_sent = asyncio.Event()
+
+    def _event(self, payload: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(payload) + b"\r\n\r\n"
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": self.model}
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        for i in range(self.tokens):
+            delta = {"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": None}
+            await response.write(self._event({**head, "choices": [delta]}))
+            await asyncio.sleep(self.gap_s)
+        self.last_sent.set()
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 3, "completion_tokens": self.tokens, "total_tokens": 3 + self.tokens}
+            await response.write(self._event({**head, "choices": [], "usage": usage}))
+        await response.write(b"data: [DONE]\r\n\r\n")
+        await response.write_eof()
+        return response
+
+
 class GatewayProcess:
     """``fleetgate serve --config FILE`` as a real process (managed replicas and all)."""
 

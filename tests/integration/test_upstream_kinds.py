@@ -18,7 +18,14 @@ import pytest
 from openai import AsyncOpenAI
 
 from replicas.replica import Replica, ReplicaState
-from tests.integration.harness import API_KEY, access_lines, in_process_gateway, openai_upstream
+from tests.integration.harness import (
+    API_KEY,
+    CrlfSseUpstream,
+    access_lines,
+    in_process_gateway,
+    openai_upstream,
+    serve_app,
+)
 
 HOSTED_KEY = "sk-hosted-stand-in-4f2a9c"
 KEY_VAR = "FLEETGATE_TEST_HOSTED_KEY"
@@ -191,3 +198,33 @@ async def test_a_busy_replica_that_answers_health_slowly_while_streaming_stays_i
                 assert replica.excused_probe_timeouts == 0
                 assert replica.probe_failures >= 2
                 assert ReplicaState.DOWN in seen
+
+
+async def test_a_stream_framed_with_crlf_is_relayed_as_it_comes(tmp_path: Path) -> None:
+    """SSE allows CRLF line ends, and servers on sse-starlette send them. The gateway found
+    no event boundary in such a stream and held it all until the end (then counted no
+    tokens): each word must reach the client while the replica is still writing, and the
+    usage must be read."""
+    upstream = CrlfSseUpstream("m", tokens=5, gap_s=0.3)
+    async with serve_app(upstream.app()) as up:
+        config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
+        async with in_process_gateway(config, tmp_path) as (url, _, access):
+            async with client(url) as sdk:
+                stream = await sdk.chat.completions.create(
+                    model="m",
+                    messages=MESSAGES,  # type: ignore[arg-type]
+                    max_tokens=5,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                chunks = []
+                async for chunk in stream:
+                    if not chunks:
+                        assert not upstream.last_sent.is_set(), "the first word came only after the last was sent"
+                    chunks.append(chunk)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == " w0 w1 w2 w3 w4"
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+            await asyncio.sleep(0.2)
+            (line,) = access_lines(access)
+            assert line["status"] == 200 and line["completion_tokens"] == 5 and "error" not in line, line

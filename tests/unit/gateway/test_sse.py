@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 
-from gateway.sse import SseScanner, error_event
+from gateway.sse import MAX_EVENT_BYTES, SseError, SseScanner, error_event
 
 
 def ev(payload: object) -> bytes:
@@ -85,3 +86,36 @@ def test_error_event_shape() -> None:
     assert orjson.loads(raw[6:]) == {
         "error": {"message": "boom", "type": "server_error", "param": None, "code": "upstream_stream_error"}
     }
+
+
+def crlf(block: bytes) -> bytes:
+    return block.replace(b"\n", b"\r\n")
+
+
+def test_crlf_events_are_relayed_as_they_complete_with_lf_line_ends() -> None:
+    """sse-starlette's framing (llama-cpp-python's server): CRLF line ends. Each event goes
+    out as soon as it is whole, in the LF form every other part of the gateway reads."""
+    s = SseScanner(drop_usage=True)
+    assert s.feed(crlf(TOKEN)) == (TOKEN, 1)
+    assert s.feed(crlf(USAGE + DONE)) == (DONE, 0)
+    assert s.done and s.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_every_split_of_a_crlf_or_cr_stream_gives_the_lf_stream() -> None:
+    stream = TOKEN + TOKEN + USAGE + DONE
+    for framed in (crlf(stream), stream.replace(b"\n", b"\r")):
+        for cut in range(1, len(framed)):
+            for second_cut in (cut, (cut + len(framed)) // 2):
+                s = SseScanner(drop_usage=False)
+                parts = (framed[:cut], framed[cut:second_cut], framed[second_cut:])
+                out = b"".join(s.feed(part)[0] for part in parts)
+                assert out == stream, (cut, second_cut)
+                assert s.done and s.events == 2 and s.usage is not None
+
+
+def test_an_event_that_never_ends_is_an_error_not_a_growing_buffer() -> None:
+    s = SseScanner(drop_usage=False)
+    piece = b"data: " + b"x" * 65536
+    with pytest.raises(SseError):
+        for _ in range(MAX_EVENT_BYTES // len(piece) + 2):
+            assert s.feed(piece) == (b"", 0)
