@@ -1,4 +1,8 @@
-"""A hostile client against a real ``fleetgate serve`` process (managed simulated replica).
+"""A hostile client against a real ``fleetgate serve`` process (managed simulated replicas).
+
+The gateway has two tiers, so ``model: auto`` runs the classifier, and the fuzzed tenant's
+exact cache is on for every request (``cache_nondeterministic``), so cache keys and
+request coalescing see the fuzzed bodies too.
 
 Every answer must be a 2xx or an OpenAI-shaped 4xx: never a 5xx, never a traceback in the
 gateway's log, never a hang. Hypothesis generates request bodies, headers (unicode included)
@@ -25,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.harness import API_KEY, GatewayProcess, gateway_process
+from tests.integration.harness import API_KEY, GatewayProcess, gateway_process, tenants
 
 MODEL = "m"
 HEADER_TIMEOUT_S = 2.0
@@ -44,8 +48,15 @@ EXCHANGE_TIMEOUT_S = 15.0
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    sim = {"engine": "sim", "sim": {"ttft_ms": 1, "tokens_per_s": 20000}}
+    fuzzed, other = tenants()
+    fuzzed["cache"] = {"enabled": True, "cache_nondeterministic": True}
     config = {
-        "models": [{"name": MODEL, "replicas": [{"engine": "sim", "sim": {"ttft_ms": 1, "tokens_per_s": 20000}}]}],
+        "models": [
+            {"name": MODEL, "tier": "small", "replicas": [sim]},
+            {"name": "large-m", "tier": "large", "replicas": [sim]},
+        ],
+        "tenants": [fuzzed, other],
         "server": {
             "header_timeout_s": HEADER_TIMEOUT_S,
             "body_timeout_s": BODY_TIMEOUT_S,
