@@ -113,7 +113,7 @@ class SseScanner:
 
     def _held(self) -> tuple[bytes, int]:
         if len(self._carry) > MAX_EVENT_BYTES:
-            raise SseError(f"the replica sent an event longer than {MAX_EVENT_BYTES} bytes")
+            raise SseError(f"it sent an event longer than {MAX_EVENT_BYTES} bytes")
         return b"", 0
 
     def _to_lf(self, chunk: bytes) -> bytes:

@@ -120,7 +120,8 @@ class FaultyUpstream(_ScriptedUpstream):
     (one event, then silence for ``delay``), "slow_stream" (an event every 50 ms until the
     client leaves; records the disconnect in ``disconnected``), "status:NNN" (answers NNN
     with vLLM's error body and ``Retry-After: 1``), "malformed" (a 200 whose body, or whose
-    second event when streaming, is cut-off JSON).
+    second event when streaming, is cut-off JSON), "endless_event" (one event, then an event
+    that never ends: 64 KiB pieces without a blank line, up to 16 MiB).
     """
 
     def __init__(self, model: str, mode: str, delay: float = 0.0) -> None:
@@ -167,6 +168,10 @@ class FaultyUpstream(_ScriptedUpstream):
                 return response
             if self.mode == "stall_mid":
                 await asyncio.sleep(self.delay)
+            if self.mode == "endless_event":
+                await response.write(b"data: ")
+                for _ in range(256):
+                    await response.write(b"x" * 65536)
             if self.mode == "slow_stream":
                 for _ in range(400):
                     await asyncio.sleep(0.05)

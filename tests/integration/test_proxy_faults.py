@@ -95,6 +95,22 @@ async def test_cut_stream_ends_with_error_event(tmp_path: Path) -> None:
             assert access_lines(access)[-1]["error"] == "upstream_stream_error"
 
 
+async def test_an_event_that_never_ends_is_cut_with_error(tmp_path: Path) -> None:
+    """A replica that keeps sending one event without ever ending it (no blank line): the
+    stream is cut past the scanner's bound, not held in the gateway's memory to the end."""
+    bad = FaultyUpstream(MODEL, "endless_event")
+    async with serve_app(bad.app()) as bad_url:
+        async with in_process_gateway(config(bad_url), tmp_path) as (url, _, access):
+            stream = await client(url).chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+            got: list[str] = []
+            with pytest.raises(openai.APIError, match="event longer than"):
+                async for chunk in stream:
+                    got.append(chunk.choices[0].delta.content or "")
+            assert got == ["one"]
+            await asyncio.sleep(0.2)
+            assert access_lines(access)[-1]["error"] == "upstream_stream_error"
+
+
 async def test_stall_between_chunks_is_cut_with_error(tmp_path: Path) -> None:
     bad = FaultyUpstream(MODEL, "stall_mid", delay=5.0)
     async with serve_app(bad.app()) as bad_url:
