@@ -387,6 +387,8 @@ class Proxy:
         except SseError as exc:
             await self._broken(ex, response, f"The replica's stream was cut: {exc}.")
         else:
+            if tail := scanner.finish():
+                await response.write(tail)
             if not scanner.done:
                 await self._broken(ex, response, "The replica ended the stream early.")
         finally:

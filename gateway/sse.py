@@ -18,12 +18,16 @@ scanner raises ``SseError`` instead of holding the stream in memory.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 
 _SEP = b"\n\n"
 _CR = b"\r"
+_DONE = b"data: [DONE]\n\n"
+# A choice that stopped: its finish_reason is a string, not null.
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
 _USAGE = b'"usage"'
 # A token event is a few hundred bytes, a few KiB with logprobs; a final event with every
 # choice's usage or logprobs stays well under this.
@@ -37,7 +41,7 @@ class SseError(Exception):
 class SseScanner:
     """Feed it chunks; it returns the bytes to forward and keeps what it learned."""
 
-    __slots__ = ("_after_cr", "_carry", "_drop_usage", "done", "events", "usage")
+    __slots__ = ("_after_cr", "_carry", "_drop_usage", "_last", "done", "events", "usage")
 
     def __init__(self, *, drop_usage: bool) -> None:
         self._drop_usage = drop_usage
@@ -45,6 +49,8 @@ class SseScanner:
         self._carry = bytearray()
         # The last chunk ended in "\r": a "\n" opening the next one is the same line end.
         self._after_cr = False
+        # The last whole events forwarded: read once, at the end (``finish``).
+        self._last = b""
         self.events = 0
         self.done = False
         self.usage: dict[str, Any] | None = None
@@ -84,7 +90,22 @@ class SseScanner:
         if _USAGE in complete:
             complete, n = self._take_usage(complete, n)
         self.events += n
+        self._last = complete
         return complete, n
+
+    def finish(self) -> bytes:
+        """The replica's answer ended cleanly (its whole body read): ``[DONE]`` to send on when
+        the generation finished but no ``[DONE]`` came, as llama.cpp's server and some of its
+        forks end streams, so the client sees the end OpenAI sends; else nothing.
+
+        Finished means the usage came (servers send it after the last token) or the last
+        events forwarded stopped a choice (a string ``finish_reason``). A body that ended
+        without either was cut short, and stays ``done = False``.
+        """
+        if self.done or not (self.usage is not None or _FINISHED.search(self._last)):
+            return b""
+        self.done = True
+        return _DONE
 
     def _take_usage(self, block: bytes, n: int) -> tuple[bytes, int]:
         pos = block.find(_USAGE)

@@ -183,18 +183,32 @@ class FaultyUpstream(_ScriptedUpstream):
         return response
 
 
-class CrlfSseUpstream(_ScriptedUpstream):
-    """An OpenAI-compatible server that frames SSE as sse-starlette does by default, with
-    ``\\r\\n`` line ends (llama-cpp-python's server is built on it; sse-starlette is not
-    in this environment, so its framing is written out here). It streams ``tokens`` words,
-    ``gap_s`` apart, then usage and ``[DONE]``; ``last_sent`` is set once the last word is out."""
+class SseUpstream(_ScriptedUpstream):
+    """An OpenAI-compatible server whose stream is framed as other servers frame theirs:
+    ``line_end`` ``b"\\r\\n"`` as sse-starlette does by default (llama-cpp-python's server is
+    built on it; sse-starlette is not in this environment, so its framing is written out
+    here), and without ``[DONE]`` (``send_done=False``) as llama.cpp's server did before
+    September 2024 and some of its forks still do. It streams ``tokens`` words ``gap_s``
+    apart, the last with ``finish_reason`` (unless ``finish=False``), then usage if asked;
+    ``last_sent`` is set once the last word is out."""
 
-    def __init__(self, model: str, tokens: int, gap_s: float) -> None:
+    def __init__(
+        self,
+        model: str,
+        tokens: int,
+        gap_s: float,
+        *,
+        line_end: bytes = b"\n",
+        send_done: bool = True,
+        finish: bool = True,
+    ) -> None:
         self.model, self.tokens, self.gap_s = model, tokens, gap_s
+        self.line_end, self.send_done, self.finish = line_end, send_done, finish
         self.last_sent = asyncio.Event()
 
-    def _event(self, payload: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps(payload) + b"\r\n\r\n"
+    def _event(self, payload: dict[str, Any] | str) -> bytes:
+        data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+        return b"data: " + data + self.line_end * 2
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
@@ -202,14 +216,18 @@ class CrlfSseUpstream(_ScriptedUpstream):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         for i in range(self.tokens):
-            delta = {"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": None}
+            last = i == self.tokens - 1
+            finish = "stop" if last and self.finish else None
+            delta = {"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": finish}
             await response.write(self._event({**head, "choices": [delta]}))
-            await asyncio.sleep(self.gap_s)
+            if not last:
+                await asyncio.sleep(self.gap_s)
         self.last_sent.set()
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if self.finish and (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 3, "completion_tokens": self.tokens, "total_tokens": 3 + self.tokens}
             await response.write(self._event({**head, "choices": [], "usage": usage}))
-        await response.write(b"data: [DONE]\r\n\r\n")
+        if self.send_done:
+            await response.write(self._event("[DONE]"))
         await response.write_eof()
         return response
 

@@ -20,7 +20,7 @@ from openai import AsyncOpenAI
 from replicas.replica import Replica, ReplicaState
 from tests.integration.harness import (
     API_KEY,
-    CrlfSseUpstream,
+    SseUpstream,
     access_lines,
     in_process_gateway,
     openai_upstream,
@@ -205,7 +205,7 @@ async def test_a_stream_framed_with_crlf_is_relayed_as_it_comes(tmp_path: Path) 
     no event boundary in such a stream and held it all until the end (then counted no
     tokens): each word must reach the client while the replica is still writing, and the
     usage must be read."""
-    upstream = CrlfSseUpstream("m", tokens=5, gap_s=0.3)
+    upstream = SseUpstream("m", tokens=5, gap_s=0.3, line_end=b"\r\n")
     async with serve_app(upstream.app()) as up:
         config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
         async with in_process_gateway(config, tmp_path) as (url, _, access):
@@ -228,3 +228,36 @@ async def test_a_stream_framed_with_crlf_is_relayed_as_it_comes(tmp_path: Path) 
             await asyncio.sleep(0.2)
             (line,) = access_lines(access)
             assert line["status"] == 200 and line["completion_tokens"] == 5 and "error" not in line, line
+
+
+@pytest.mark.parametrize("finish", [True, False], ids=["finished", "cut-short"])
+async def test_a_stream_that_ends_without_done(tmp_path: Path, finish: bool) -> None:
+    """llama.cpp's server (before September 2024, and forks since) ends a stream without
+    ``[DONE]``. The gateway called every such stream broken: an error event for a whole
+    answer, and a failure against the replica's breaker each time. Finished (the last event
+    stopped its choice, usage came), it now ends as OpenAI ends it; a body that ends before
+    that is still an error, as before."""
+    upstream = SseUpstream("m", tokens=3, gap_s=0.01, send_done=False, finish=finish)
+    async with serve_app(upstream.app()) as up:
+        config = {"models": [{"name": "m", "replicas": [{"url": up}]}]}
+        async with in_process_gateway(config, tmp_path) as (url, gw, access):
+            async with httpx.AsyncClient(timeout=30) as http:
+                body = {"model": "m", "messages": MESSAGES, "max_tokens": 3, "stream": True}
+                reply = await http.post(
+                    f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+                )
+            events = [line for line in reply.text.split("\n") if line.startswith("data: ")]
+            failures = gw.metrics.registry.get_sample_value(
+                "fleetgate_upstream_errors_total", {"replica": "m-0", "kind": "stream"}
+            )
+            await asyncio.sleep(0.2)
+            (line,) = access_lines(access)
+            if finish:
+                assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), events
+                assert len(events) == 4  # three words and the end
+                assert line["status"] == 200 and "error" not in line and line["completion_tokens"] == 3, line
+                assert failures is None
+            else:
+                assert '"upstream_stream_error"' in events[-1], events
+                assert line["error"] == "upstream_stream_error"
+                assert failures == 1

@@ -119,3 +119,26 @@ def test_an_event_that_never_ends_is_an_error_not_a_growing_buffer() -> None:
     with pytest.raises(SseError):
         for _ in range(MAX_EVENT_BYTES // len(piece) + 2):
             assert s.feed(piece) == (b"", 0)
+
+
+def test_a_finished_stream_without_done_is_ended_as_openai_ends_it() -> None:
+    """Servers that omit ``[DONE]``: once their body has ended cleanly, a stream whose last
+    event stopped its choice (or that sent usage) is finished; one that stopped mid-way is not."""
+    stop = ev({"choices": [{"delta": {"content": "b"}, "finish_reason": "stop"}]})
+    spaced = b'data: {"choices": [{"delta": {}, "finish_reason": "length"}]}\n\n'
+    for last in (stop, spaced):
+        s = SseScanner(drop_usage=False)
+        s.feed(TOKEN + last)
+        assert not s.done
+        assert s.finish() == DONE and s.done
+        assert s.finish() == b""  # once
+    s = SseScanner(drop_usage=True)
+    s.feed(TOKEN)
+    s.feed(USAGE)
+    assert s.finish() == DONE
+    cut = SseScanner(drop_usage=False)
+    cut.feed(TOKEN + TOKEN)
+    assert cut.finish() == b"" and not cut.done
+    whole = SseScanner(drop_usage=False)
+    whole.feed(TOKEN + stop + DONE)
+    assert whole.done and whole.finish() == b""
