@@ -235,9 +235,13 @@ class SseUpstream(_ScriptedUpstream):
 class GatewayProcess:
     """``fleetgate serve --config FILE`` as a real process (managed replicas and all)."""
 
-    def __init__(self, config: dict[str, Any], tmp_path: Path) -> None:
+    def __init__(self, config: dict[str, Any], tmp_path: Path, healthy: int | None = None) -> None:
+        """``healthy``: how many replicas must be healthy before ``start`` returns (default:
+        every replica the config lists)."""
         self.port = free_port()
         config = {"tenants": tenants(), **config, "server": {"port": self.port, **config.get("server", {})}}
+        listed = sum(r.get("count", 1) for m in config.get("models", ()) for r in m.get("replicas", ()))
+        self.healthy = healthy if healthy is not None else max(1, listed)
         self.config_path = tmp_path / "gateway.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.stdout_path = tmp_path / "gateway.stdout"
@@ -278,9 +282,11 @@ class GatewayProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited: {self.stderr_path.read_text()}")
             with contextlib.suppress(httpx.HTTPError):
-                # /readyz: this process answers; tests also want a replica to answer with.
+                # /readyz: this process answers. Tests also want every replica of the config
+                # to answer: ready means one is, and a test that stops or kills one must not
+                # catch the other before its first probe has passed.
                 r = httpx.get(f"{self.url}/readyz", timeout=1.0)
-                if r.status_code == 200 and r.json()["healthy_replicas"] > 0:
+                if r.status_code == 200 and r.json()["healthy_replicas"] >= self.healthy:
                     return
             time.sleep(0.1)
         raise TimeoutError(f"gateway not ready: {self.stderr_path.read_text()}")
@@ -319,8 +325,8 @@ def unreachable_port() -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def gateway_process(config: dict[str, Any], tmp_path: Path) -> Iterator[GatewayProcess]:
-    gw = GatewayProcess(config, tmp_path)
+def gateway_process(config: dict[str, Any], tmp_path: Path, healthy: int | None = None) -> Iterator[GatewayProcess]:
+    gw = GatewayProcess(config, tmp_path, healthy)
     gw.start()
     try:
         yield gw

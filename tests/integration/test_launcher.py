@@ -73,7 +73,7 @@ def test_crash_loop_marks_replica_failed(tmp_path: Path) -> None:
             "replicas": [{"engine": "vllm", "python": sys.executable, "model_path": "x", "args": ["--no-such-flag"]}],
         },
     ]
-    with gateway_process(cfg, tmp_path) as gw:
+    with gateway_process(cfg, tmp_path, healthy=1) as gw:
         assert wait_for(lambda: fleet(gw.url)["broken-0"]["state"] == "failed", timeout=20)
         assert fleet(gw.url)["broken-0"]["restarts"] == 2
         assert fleet(gw.url)["m-0"]["state"] == "healthy"  # the rest of the fleet is unaffected
