@@ -8,9 +8,12 @@ protocol of ``scripts/train_classifier.py`` (``sources``: leave-one-source-out; 
 every easy source held out with a random share of the hard prompts; ``random``), every
 labelled prompt is scored by a model trained without its fold, through the shipped model's
 calibration, and the out-of-fold scores are pooled: a held-out source of one class alone has
-no AUC. Three classifiers: the n-gram model, the embedding head (``routing.embedding_head``,
-its recipe ``scripts.train_classifier.HeadRecipe``), and the two as the gateway mixes them
-when the semantic cache is what embeds (``embedding: auto``): the head for texts the cache
+no AUC. Beside them, every pair of a hard and an easy group is held out together and both are
+scored by the one model that read neither (``pairs_held_out``): the shipped model's case on
+sources it never saw, with no pooling of two models' logits. Three classifiers: the n-gram
+model, the embedding head (``routing.embedding_head``, its recipe
+``scripts.train_classifier.HeadRecipe``), and the two as the gateway mixes them when the
+semantic cache is what embeds (``embedding: auto``): the head for texts the cache
 embeds (at most ``cache.semantic.max_text_chars``), n-grams for longer ones. Reported on the
 same prompts: AUC hard vs easy, of prompt length in characters and of the old keyword rule
 (``bench.classifier_keywords``); the tier confusion at the default boundaries; each held-out
@@ -24,6 +27,7 @@ single ``classify`` calls on every prompt, ``REPEATS`` times, wall and thread CP
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -53,7 +57,10 @@ from scripts.train_classifier import (
     HEAD_EASY_QUANTILE,
     HEAD_HARD_QUANTILE,
     HeadRecipe,
+    PromptVectors,
     embed,
+    fit_head,
+    fit_on,
     head_out_of_fold,
     lengths_of,
     out_of_fold,
@@ -148,7 +155,10 @@ def bars(prompts: Sequence[Prompt], idx: Sequence[int], scores: np.ndarray, cpu_
     by_length = auc([float(len(prompts[i].text)) for i in hard], [float(len(prompts[i].text)) for i in easy])
     large = float(np.mean([tier_of(scores[i]) == "large" for i in hard]))
     small = float(np.mean([tier_of(scores[i]) == "small" for i in easy]))
+    return against_bars(name, learned, by_length, large, small, cpu_p99_us)
 
+
+def against_bars(name: str, learned: float, by_length: float, large: float, small: float, cpu_p99_us: float) -> str:
     def verdict(ok: bool) -> str:
         return "met" if ok else "**not met**"
 
@@ -175,6 +185,94 @@ def group_rows(prompts: Sequence[Prompt], scores: np.ndarray, label: str) -> lis
         idx = [i for i, p in enumerate(prompts) if p.group == group]
         lines.append(f"| {group} | {label} | {len(idx)} | {tiers_row(scores[idx])} |")
     return lines
+
+
+@dataclass(frozen=True, slots=True)
+class HeldPair:
+    """One hard and one easy group held out together: both scored by the one model (of each
+    classifier) trained on every other group, as a shipped model meets two sources it never
+    read. ``scores``: each classifier's scores of ``hard + easy``, in that order."""
+
+    hard_group: str
+    easy_group: str
+    hard: list[int]
+    easy: list[int]
+    scores: dict[str, np.ndarray]
+
+
+def pairs_held_out(
+    prompts: Sequence[Prompt],
+    feats: Sequence[set[str]],
+    shipped: LinearModel,
+    head: tuple[EmbeddingHead, PromptVectors, HeadRecipe, np.ndarray] | None,
+) -> list[HeldPair]:
+    """Every (hard group, easy group) pair held out, through the shipped calibrations.
+
+    ``head``: the shipped head (for its calibration), the prompts' vectors, the recipe, and
+    which prompts the semantic cache embeds (for the mixed classifier); None: n-grams only.
+    """
+    labelled = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    groups = {c: sorted({prompts[i].group for i in labelled if prompts[i].label == c}) for c in (HARD, EASY)}
+    lengths = lengths_of(prompts)
+    pairs = []
+    for hard_group, easy_group in itertools.product(groups[HARD], groups[EASY]):
+        hard = [i for i in labelled if prompts[i].group == hard_group]
+        easy = [i for i in labelled if prompts[i].group == easy_group]
+        held = hard + easy
+        rest = [i for i in labelled if prompts[i].group not in (hard_group, easy_group)]
+        ngram = fit_on(prompts, feats, rest).logits([feats[i] for i in held])
+        scores = {"n-gram": head_scores_of(shipped, ngram)}
+        if head is not None:
+            calibrated, vectors, recipe, cached = head
+            x, per_token = vectors.x, vectors.per_token
+            y = [int(prompts[i].label == HARD) for i in rest]
+            fitted = fit_head(x[rest], lengths[rest], per_token[rest], y, [prompts[i].group for i in rest], recipe)
+            logits = fitted.logits(x[held], lengths[held], per_token[held], ngram)
+            scores["embedding head"] = head_scores(calibrated, logits)
+            scores["head where the cache embeds, else n-gram"] = np.where(
+                cached[held], scores["embedding head"], scores["n-gram"]
+            )
+        pairs.append(HeldPair(hard_group, easy_group, hard, easy, scores))
+    return pairs
+
+
+@dataclass(frozen=True, slots=True)
+class PairFigures:
+    """A classifier's figures over held-out pairs: the AUCs are the pairs' AUCs weighted by
+    hard x easy prompts (each comparison of a hard and an easy prompt made by the model that
+    read neither); the tier shares count a prompt once per pair it is held out in."""
+
+    auc: float
+    length: float
+    keywords: float
+    hard_large: float
+    easy_small: float
+
+
+def pair_figures(prompts: Sequence[Prompt], pairs: Sequence[HeldPair], name: str) -> PairFigures:
+    sums = np.zeros(3)
+    weight = 0
+    large: list[bool] = []
+    small: list[bool] = []
+    for pair in pairs:
+        n = len(pair.hard)
+        scores = pair.scores[name]
+        w = n * len(pair.easy)
+        sums += w * np.array(
+            [
+                auc(scores[:n], scores[n:]),
+                auc([len(prompts[i].text) for i in pair.hard], [len(prompts[i].text) for i in pair.easy]),
+                auc(
+                    [keyword_score(body_of(prompts[i].text)) for i in pair.hard],
+                    [keyword_score(body_of(prompts[i].text)) for i in pair.easy],
+                ),
+            ]
+        )
+        weight += w
+        large += [tier_of(v) == "large" for v in scores[:n]]
+        small += [tier_of(v) == "small" for v in scores[n:]]
+    a, length, keywords = sums / weight
+    return PairFigures(float(a), float(length), float(keywords), float(np.mean(large)), float(np.mean(small)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +436,7 @@ def main() -> None:
                         row.append(f"{auc(logits[arena_hard], logits[easy]):.3f}")
                 candidates.append("| " + " | ".join(row) + " |")
         short = int(cached[labelled].sum())
+    pairs = pairs_held_out(prompts, feats, shipped, None if head is None else (head, vectors, recipe, cached))
     lines = [
         "# Complexity classifier",
         "",
@@ -384,6 +483,41 @@ def main() -> None:
             for name, by_protocol in scores.items():
                 row = auc_rows(prompts, subset, by_protocol[protocol], f"{protocol}{suffix} | {name}")
                 lines += row
+    arena_pairs = [pair for pair in pairs if pair.hard_group.startswith("arena-hard/")]
+    lines += [
+        "",
+        "## Both sides held out: one hard and one easy group at a time",
+        "",
+        f"Each of the {len(pairs)} pairs of a hard and an easy group is held out together; one model of each "
+        "classifier, trained on every other group, scores both (through the shipped calibrations). This is the "
+        "case of the shipped model on two sources it never read. In the `sources` folds above, a hard prompt's "
+        "score and an easy prompt's come from two models, whose logits differ in scale; here every comparison "
+        "is made by one model. The pooled rows weigh each pair's AUC by its hard x easy prompts; the tier shares "
+        "count a prompt once per pair it is held out in.",
+        "",
+        "| hard group | easy group | hard / easy | length | keyword rule | " + " | ".join(scores) + " |",
+        "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in scores) + " |",
+    ]
+    for pair in pairs:
+        figures = [pair_figures(prompts, [pair], name) for name in scores]
+        lines.append(
+            f"| {pair.hard_group} | {pair.easy_group} | {len(pair.hard)} / {len(pair.easy)} | "
+            f"{figures[0].length:.3f} | {figures[0].keywords:.3f} | "
+            + " | ".join(f"{f.auc:.3f}" for f in figures)
+            + " |"
+        )
+    lines += [
+        "",
+        "| pairs | classifier | AUC | length | AUC - length | keyword rule | hard -> large | easy -> small |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for subset, title in ((pairs, f"all {len(pairs)}"), (arena_pairs, f"the {len(arena_pairs)} with arena-hard")):
+        for name in scores:
+            f = pair_figures(prompts, subset, name)
+            lines.append(
+                f"| {title} | {name} | **{f.auc:.3f}** | {f.length:.3f} | {f.auc - f.length:+.3f} | {f.keywords:.3f} | "
+                f"{f.hard_large:.0%} | {f.easy_small:.0%} |"
+            )
     for name, by_protocol in scores.items():
         lines += ["", f"## Tiers at the default boundaries: {name} (out of fold)", "", "`sources` folds:", ""]
         lines += confusion(prompts, labelled, by_protocol["sources"])
@@ -432,15 +566,24 @@ def main() -> None:
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [cost_row(name, c) for name, c in costs]
-    lines += ["", "## Against the bars (`sources` folds: every kind held out whole)", ""]
-    ngram_cost = costs[0][1].cpu_p99
-    lines.append("- " + bars(prompts, labelled, ngram_scores["sources"], ngram_cost, "n-gram model"))
-    lines.append("- " + bars(prompts, arena, ngram_scores["sources"], ngram_cost, "n-gram model, arena-hard only"))
+    lines += ["", "## Against the bars (every kind held out whole)", "", "`sources` folds:", ""]
+    cpu_p99 = {"n-gram": costs[0][1].cpu_p99}
     if head is not None:
-        head_cost = costs[1][1].cpu_p99
-        for subset, suffix in ((labelled, ""), (arena, ", arena-hard only")):
-            for name in ("embedding head", "head where the cache embeds, else n-gram"):
-                lines.append("- " + bars(prompts, subset, scores[name]["sources"], head_cost, name + suffix))
+        cpu_p99["embedding head"] = cpu_p99["head where the cache embeds, else n-gram"] = costs[1][1].cpu_p99
+    for subset, suffix in ((labelled, ""), (arena, ", arena-hard only")):
+        for name in scores:
+            lines.append("- " + bars(prompts, subset, scores[name]["sources"], cpu_p99[name], name + suffix))
+    lines += [
+        "",
+        "Both sides held out (the pairs above; every recipe and calibration was chosen on the `sources` folds, "
+        "before this protocol was measured):",
+        "",
+    ]
+    for subset, suffix in ((pairs, ""), (arena_pairs, ", arena-hard pairs")):
+        for name in scores:
+            f = pair_figures(prompts, subset, name)
+            lines.append("- " + against_bars(name + suffix, f.auc, f.length, f.hard_large, f.easy_small, cpu_p99[name]))
+    if head is not None:
         lines += [
             "",
             "The embedding head's cost is on top of the vector (the bar's \"on top of an embedding the cache "

@@ -177,3 +177,44 @@ def test_out_of_source_quality_on_the_public_prompts() -> None:
     hard = [float(x) for x, p in zip(logits, prompts, strict=True) if p.label == HARD]
     easy = [float(x) for x, p in zip(logits, prompts, strict=True) if p.label == EASY]
     assert auc(hard[::4], easy[::2]) >= 0.9
+
+
+def test_pairs_held_out_train_on_neither_group_and_weigh_pairs_by_their_comparisons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The benchmark's both-sides-held-out protocol: every (hard group, easy group) pair once,
+    each scored by a model that read neither group; pooled AUC weighs a pair by hard x easy."""
+    import bench.classifier as bench
+    from bench.classifier_data import EASY, HARD, Prompt
+    from scripts.train_classifier import Fitted
+
+    texts = {
+        ("hard", "h1"): ["prove the integral of x^2 sin x", "implement a lock-free queue in C++", "x"],
+        ("hard", "h2"): ["derive the gradient of softmax cross-entropy", "write a parser for JSON in Rust"],
+        ("easy", "e1"): ["what is the capital of France", "tell me a joke"],
+        ("easy", "e2"): ["say hello", "what colour is the sky", "name a fruit"],
+    }
+    prompts = [
+        Prompt(text, "test", group, HARD if label == "hard" else EASY, group)
+        for (label, group), items in texts.items()
+        for text in items
+    ]
+    trained_on: list[set[str]] = []
+
+    def spy(ps: list[Prompt], feats: list[set[str]], idx: list[int]) -> Fitted:
+        """Records what each model would be trained on (too few prompts here to train one)."""
+        trained_on.append({ps[i].group for i in idx})
+        return Fitted({}, 0.0)
+
+    monkeypatch.setattr(bench, "fit_on", spy)
+    pairs = bench.pairs_held_out(prompts, [features(p.text) for p in prompts], default_model(), None)
+    assert [(p.hard_group, p.easy_group) for p in pairs] == [("h1", "e1"), ("h1", "e2"), ("h2", "e1"), ("h2", "e2")]
+    assert trained_on == [{"h2", "e2"}, {"h2", "e1"}, {"h1", "e2"}, {"h1", "e1"}]
+
+    # Pooled figures, by hand: pair AUCs 1.0 (3 x 2 comparisons) and 0.5 (2 x 2) -> 0.8.
+    perfect = bench.HeldPair("h1", "e1", [0, 1, 2], [5, 6], {"c": bench.np.array([0.9, 0.8, 0.7, 0.1, 0.2])})
+    tied = bench.HeldPair("h2", "e1", [3, 4], [5, 6], {"c": bench.np.array([0.4, 0.4, 0.4, 0.4])})
+    figures = bench.pair_figures(prompts, [perfect, tied], "c")
+    assert figures.auc == pytest.approx(0.8)
+    assert figures.hard_large == pytest.approx(3 / 5)  # 0.9, 0.8, 0.7 are large; 0.4 is medium
+    assert figures.easy_small == pytest.approx(2 / 4)  # 0.1, 0.2 small; the tied pair's 0.4 medium
