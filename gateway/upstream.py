@@ -9,8 +9,9 @@ origin, responses parsed by ``httptools`` (llhttp, in C) and bodies read whole o
 chunks arrive.
 
 - A connection taken from the pool that turns out dead before any byte of the response
-  arrived (the replica closed it while idle) is replaced and the request sent once more;
-  any other failure is the caller's to retry (the proxy's retry rule decides).
+  arrived (the replica closed it while idle) is replaced and the request sent once more, on
+  a new connection (the rest of the pool may have gone stale at the same time); any other
+  failure is the caller's to retry (the proxy's retry rule decides).
 - ``fetch`` bounds the whole exchange with one timer; ``open`` returns at the headers and
   leaves the stream's timing to the caller (first byte, gaps between chunks).
 - A stream's reader pauses the socket when unread data piles up (``_HIGH_WATER``), so a
@@ -395,8 +396,10 @@ class UpstreamClient:
         origin, target = self._target(url)
         head = _head(method, target, origin, body, headers)
         loop = asyncio.get_running_loop()
+        fresh = False
         for _ in range(2):
-            connection = self._idle_connection(origin)
+            # After a stale one, a new connection: the others in the pool may be stale too.
+            connection = None if fresh else self._idle_connection(origin)
             reused = connection is not None
             if connection is None:
                 connection = await self._connect(origin)
@@ -409,6 +412,7 @@ class UpstreamClient:
                 stale = reused and not connection.received_any
                 response.close()
                 if stale:
+                    fresh = True
                     continue  # the replica had closed it while idle: once more, on a new one
                 raise
             except BaseException:

@@ -108,6 +108,32 @@ async def test_a_connection_closed_while_idle_is_replaced_once() -> None:
     assert connections == 2
 
 
+async def test_after_a_stale_connection_the_request_goes_on_a_new_one_not_another_pooled_one() -> None:
+    """Every pooled connection may have gone stale at once (a replica that closes idle
+    connections after a few seconds, FINs the client's busy loop has not read yet): the one
+    more try is on a new connection. Seen in a CI run: two stale ones in a row made a 502."""
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        await asyncio.sleep(0.05)  # the first two requests overlap: two connections, both pooled
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await reader.readuntil(b"\r\n\r\n")  # the next request comes on a connection
+        writer.close()  # the server had given up on: closed unanswered
+
+    async with raw_server(handle) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        first = await asyncio.gather(*(client.fetch("POST", url + "/", b"x") for _ in range(2)))
+        assert [f[2] for f in first] == [b"ok", b"ok"] and connections == 2
+        assert (await client.fetch("POST", url + "/", b"x"))[2] == b"ok"
+        await client.close()
+    assert connections == 3  # one stale connection tried, then a new one; the other stale one never
+
+
 async def test_a_body_ended_by_closing_the_connection() -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
