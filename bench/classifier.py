@@ -1,7 +1,7 @@
 """Evaluate the complexity classifier on public prompts, out of source; writes bench/results/classifier.md.
 
     .venv/bin/python -m bench.classifier              # needs ../shared/data, scikit-learn and the semantic extra
-    .venv/bin/python -m bench.classifier --ngram-only # the n-gram model alone (no embedding model needed)
+    .venv/bin/python -m bench.classifier --no-embedding # the static head and the n-gram model (no embedding model)
 
 The prompts and their hard/easy/middle labels are ``bench.classifier_data``'s. For each fold
 protocol of ``scripts/train_classifier.py`` (``sources``: leave-one-source-out; ``easy-sources``:
@@ -49,8 +49,10 @@ from routing.classifier import (
     classify,
     default_model,
     features,
+    instruction,
 )
 from routing.embedding_head import EmbeddingHead, default_head, embedding_text
+from routing.static_head import StaticHead, default_static_head
 from scripts.train_classifier import (
     CALIBRATION_PROTOCOL,
     HEAD_CALIBRATION_PROTOCOL,
@@ -67,6 +69,9 @@ from scripts.train_classifier import (
     train_final,
     train_final_head,
 )
+from scripts.train_static_head import StaticInputs, untrained
+from scripts.train_static_head import fit as fit_static
+from scripts.train_static_head import out_of_fold as static_out_of_fold
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "classifier.md"
@@ -91,6 +96,8 @@ RECIPES = (
 # head has it): the rows say "+ chars per token".
 PER_TOKEN = (False, True)
 TIERS = [t.name for t in DEFAULT_TIERS]
+# What ``embedding: auto`` gives a tenant whose semantic cache is on.
+MIXED = "head where the cache embeds, else static head"
 # A section written by hand after the generated ones (experiments run apart, their method
 # stated in it): a rerun keeps it instead of dropping it.
 KEPT_SECTION = "## Tried and not shipped"
@@ -204,12 +211,14 @@ def pairs_held_out(
     prompts: Sequence[Prompt],
     feats: Sequence[set[str]],
     shipped: LinearModel,
+    static: tuple[StaticHead, StaticInputs],
     head: tuple[EmbeddingHead, PromptVectors, HeadRecipe, np.ndarray] | None,
 ) -> list[HeldPair]:
     """Every (hard group, easy group) pair held out, through the shipped calibrations.
 
-    ``head``: the shipped head (for its calibration), the prompts' vectors, the recipe, and
-    which prompts the semantic cache embeds (for the mixed classifier); None: n-grams only.
+    ``static``: the shipped static head (for its calibration) and the prompts' inputs to it;
+    ``head``: the shipped embedding head, the prompts' vectors, the recipe, and which prompts
+    the semantic cache embeds (for the mixed classifier); None: no embedding head.
     """
     labelled = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
     groups = {c: sorted({prompts[i].group for i in labelled if prompts[i].label == c}) for c in (HARD, EASY)}
@@ -222,6 +231,9 @@ def pairs_held_out(
         rest = [i for i in labelled if prompts[i].group not in (hard_group, easy_group)]
         ngram = fit_on(prompts, feats, rest).logits([feats[i] for i in held])
         scores = {"n-gram": head_scores_of(shipped, ngram)}
+        static_head, inputs = static
+        coef, bias = fit_static(inputs, prompts, rest)
+        scores["static head"] = static_scores(static_head, inputs.x[held] @ coef + bias)
         if head is not None:
             calibrated, vectors, recipe, cached = head
             x, per_token = vectors.x, vectors.per_token
@@ -229,9 +241,7 @@ def pairs_held_out(
             fitted = fit_head(x[rest], lengths[rest], per_token[rest], y, [prompts[i].group for i in rest], recipe)
             logits = fitted.logits(x[held], lengths[held], per_token[held], ngram)
             scores["embedding head"] = head_scores(calibrated, logits)
-            scores["head where the cache embeds, else n-gram"] = np.where(
-                cached[held], scores["embedding head"], scores["n-gram"]
-            )
+            scores[MIXED] = np.where(cached[held], scores["embedding head"], scores["static head"])
         pairs.append(HeldPair(hard_group, easy_group, hard, easy, scores))
     return pairs
 
@@ -360,6 +370,10 @@ def window_cost(texts: Sequence[str]) -> Cost:
     return asyncio.run(run())
 
 
+def static_scores(static: StaticHead, logits: np.ndarray) -> np.ndarray:
+    return np.array([static.score(v) if not np.isnan(v) else np.nan for v in logits])
+
+
 def head_scores(head: EmbeddingHead, logits: np.ndarray) -> np.ndarray:
     return np.array([head.score(v) if not np.isnan(v) else np.nan for v in logits])
 
@@ -378,7 +392,7 @@ def cost_row(name: str, c: Cost, unit: str = "µs") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ngram-only", action="store_true", help="leave the embedding head out")
+    parser.add_argument("--no-embedding", action="store_true", help="leave the embedding head out")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     if not available():
@@ -398,7 +412,13 @@ def main() -> None:
     head: EmbeddingHead | None = None
     candidates: list[str] = []
     embed_s = 0.0
-    if not args.ngram_only:
+    static = default_static_head()
+    static_inputs = StaticInputs.of(untrained(static.tokens, static.table), prompts)
+    static_logits = {p: static_out_of_fold(static_inputs, prompts, p) for p in PROTOCOLS}
+    scores["static head"] = {p: static_scores(static, static_logits[p]) for p in PROTOCOLS}
+    coef, bias = fit_static(static_inputs, prompts, labelled)
+    middle["static head"] = static_scores(static, static_inputs.x @ coef + bias)
+    if not args.no_embedding:
         head = default_head()
         started = time.perf_counter()
         vectors = embed(prompts)
@@ -414,14 +434,10 @@ def main() -> None:
         head_logits = {p: head_out_of_fold(prompts, vectors, ngram_logits[p], p, recipe) for p in PROTOCOLS}
         scores["embedding head"] = {p: head_scores(head, head_logits[p]) for p in PROTOCOLS}
         cached = np.array([len(embedding_text(p.text)) <= CACHE_MAX_TEXT_CHARS for p in prompts])
-        scores["head where the cache embeds, else n-gram"] = {
-            p: np.where(cached, scores["embedding head"][p], ngram_scores[p]) for p in PROTOCOLS
-        }
+        scores[MIXED] = {p: np.where(cached, scores["embedding head"][p], scores["static head"][p]) for p in PROTOCOLS}
         final = train_final_head(prompts, vectors, recipe)
         middle["embedding head"] = head_scores(head, final.logits(x, lengths_of(prompts), vectors.per_token, ngram_all))
-        middle["head where the cache embeds, else n-gram"] = np.where(
-            cached, middle["embedding head"], middle["n-gram"]
-        )
+        middle[MIXED] = np.where(cached, middle["embedding head"], middle["static head"])
         hard = [i for i in labelled if prompts[i].label == HARD]
         easy = [i for i in labelled if prompts[i].label == EASY]
         arena_hard = [i for i in hard if prompts[i].group.startswith("arena-hard/")]
@@ -436,7 +452,9 @@ def main() -> None:
                         row.append(f"{auc(logits[arena_hard], logits[easy]):.3f}")
                 candidates.append("| " + " | ".join(row) + " |")
         short = int(cached[labelled].sum())
-    pairs = pairs_held_out(prompts, feats, shipped, None if head is None else (head, vectors, recipe, cached))
+    pairs = pairs_held_out(
+        prompts, feats, shipped, (static, static_inputs), None if head is None else (head, vectors, recipe, cached)
+    )
     lines = [
         "# Complexity classifier",
         "",
@@ -452,7 +470,9 @@ def main() -> None:
         f"0.3, {1 - HEAD_HARD_QUANTILE:.0%} of hard ones above 0.55, every group weighing the same; "
         "`scripts/train_classifier.py`).",
         "",
-        "Classifiers: **n-gram** (`routing/data/classifier.json`); **embedding head** "
+        "Classifiers: **n-gram** (`routing/data/classifier.json`, the head without an embedding before the static "
+        "head, kept as a baseline); **static head** (`routing/data/classifier-static.json`: word-piece vectors "
+        "distilled from all-MiniLM-L6-v2, what classifies without an embedding); **embedding head** "
         "(`routing/data/classifier-embedding.json`, over the semantic cache's all-MiniLM-L6-v2 vector"
         + (
             f", recipe: length {'on' if head.length_weight else 'off'}, characters per token "
@@ -460,7 +480,7 @@ def main() -> None:
             if head is not None
             else ""
         )
-        + "); **head where the cache embeds, else n-gram**: what `routing.classifier.embedding: auto` gives "
+        + f"); **{MIXED}**: what `routing.classifier.embedding: auto` gives "
         f"a tenant with the semantic cache on, which embeds texts of at most {CACHE_MAX_TEXT_CHARS} characters"
         + (f" ({short} of the {len(labelled)} labelled prompts)" if head is not None else "")
         + "; `always` gives the embedding head on every prompt.",
@@ -537,7 +557,13 @@ def main() -> None:
             lines.append(f"| {group} | {label} | {len(idx)} | " + " | ".join(cells) + " |")
     texts = [p.text for p in prompts]
     load_average = os.getloadavg()[0]
-    costs = [("n-gram (`classify(body)`)", timing(texts, lambda i, body: classify(body)))]
+    costs = [
+        ("static head (`classify(body)`)", timing(texts, lambda i, body: classify(body))),
+        (
+            "n-gram model (`model.logit(features(instruction(body)))`)",
+            timing(texts, lambda i, body: shipped.score(shipped.logit(features(instruction(body)))[0])),
+        ),
+    ]
     if head is not None:
         rows = x.astype(np.float32)
         windows = [(int(pieces), int(chars)) for pieces, chars in vectors.windows]
@@ -556,7 +582,8 @@ def main() -> None:
         f"## Cost per classification ({len(prompts)} prompts x {REPEATS} runs, Python {platform.python_version()}, "
         "one core of a shared 2-core machine)",
         "",
-        "Single calls on the whole request body; the n-gram model reads the head and tail of a prompt only "
+        "Single calls on the whole request body; the static head and the n-gram model read the head and tail of a "
+        "prompt only "
         f"({HEAD_CHARS} + {TAIL_CHARS} characters), so the cost is bounded whatever its size. Wall time includes "
         f"preemption by other processes (load average {load_average:.1f} on 2 cores as timing began); "
         "CPU time is the calling thread's, the call's own cost. The embedding head's cost is on top of a vector "
@@ -567,9 +594,10 @@ def main() -> None:
     ]
     lines += [cost_row(name, c) for name, c in costs]
     lines += ["", "## Against the bars (every kind held out whole)", "", "`sources` folds:", ""]
-    cpu_p99 = {"n-gram": costs[0][1].cpu_p99}
+    cpu_p99 = {"static head": costs[0][1].cpu_p99, "n-gram": costs[1][1].cpu_p99}
     if head is not None:
-        cpu_p99["embedding head"] = cpu_p99["head where the cache embeds, else n-gram"] = costs[1][1].cpu_p99
+        cpu_p99["embedding head"] = costs[2][1].cpu_p99
+        cpu_p99[MIXED] = max(cpu_p99["embedding head"], cpu_p99["static head"])
     for subset, suffix in ((labelled, ""), (arena, ", arena-hard only")):
         for name in scores:
             lines.append("- " + bars(prompts, subset, scores[name]["sources"], cpu_p99[name], name + suffix))

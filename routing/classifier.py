@@ -1,5 +1,8 @@
-"""Complexity classifier: a score in [0, 1] from a linear model over words, word pairs and symbols,
-or from the embedding head when the request's sentence embedding is at hand.
+"""Complexity classifier: a score in [0, 1] from the static head (word-piece vectors,
+``routing.static_head``), or from the embedding head when the request's sentence embedding
+is at hand. The n-gram model below (words, word pairs and symbols) was the head without an
+embedding before the static head; it stays as the benchmark's baseline and as an optional
+input of the embedding head.
 
 A request for model ``auto`` goes to the tier whose configured score range holds its
 score. The score says how likely the latest user message is a prompt on which a large
@@ -21,13 +24,16 @@ where the training script measured them out of source) are in
 them needs no library beyond the standard one.
 
 Every contribution keeps its feature, so a decision explains itself: the reasons are the
-features that moved the score most, either way, e.g.
-``score=0.81; ngram; +w:integral,+s:=,+b:prove_that`` (``w:`` a word, ``b:`` a word pair,
-``s:`` symbols; ``+`` towards the large tier, ``-`` towards the small).
+features (or the static head's word pieces) that moved the score most, either way, ``+``
+towards the large tier, ``-`` towards the small.
 
-With a sentence embedding of the instruction (``vector``, the semantic cache's), the
-embedding head (``routing.embedding_head``) decides instead; the header names it and the
-parts of its logit: ``score=0.81; embedding(emb+1.52,len+2.10,cpt-0.35); +w:integral``.
+Without a vector the static head decides; the header names it and its pieces:
+``score=0.79; static; +t:0,+t:2,+t:x``. With a sentence embedding of the instruction
+(``vector``, the semantic cache's), the embedding head (``routing.embedding_head``) decides
+instead; the header names it and the parts of its logit:
+``score=0.81; embedding(emb+1.52,len+2.10,cpt-0.35); none`` (after ``none``, the n-gram
+features of a head that weighs the n-gram logit: ``w:`` a word, ``b:`` a word pair, ``s:``
+symbols).
 
 Cost: tens to a few hundred microseconds (``bench/classifier.py`` measures it), paid only
 by requests that are classified (model ``auto`` or a tenant's ``classify_models``).
@@ -49,6 +55,7 @@ import numpy.typing as npt
 
 from routing.data_file import calibrated, read_data_file
 from routing.embedding_head import EmbeddingHead, default_head
+from routing.static_head import StaticHead, default_static_head
 
 MODEL_FORMAT = 1
 DEFAULT_MODEL = "classifier.json"
@@ -92,29 +99,30 @@ class TierRange:
 
 
 # Which head decided (``Classification.head``).
-NGRAM = "ngram"
+STATIC = "static"
 EMBEDDING = "embedding"
 
 
 @dataclass(frozen=True, slots=True)
 class Classification:
-    """The chosen tier, the score, the head that decided, and the n-gram features that moved
-    the score most (largest first).
+    """The chosen tier, the score, the head that decided, and the features that moved the
+    score most (largest first): the static head's word pieces, or the n-gram features the
+    embedding head weighed.
 
     ``detail``: for the embedding head, the parts of its logit (``emb+1.52,ngram+0.40``); for
-    the n-gram model, why the embedding head did not decide when it was asked to (``timeout``),
+    the static head, why the embedding head did not decide when it was asked to (``timeout``),
     else empty.
     """
 
     tier: str
     score: float
     reasons: tuple[str, ...]
-    head: str = NGRAM
+    head: str = STATIC
     detail: str = ""
 
     def header(self) -> str:
         """Compact debug form for a response header and the log line:
-        ``score=0.81; embedding(emb+1.52,ngram+0.40); +w:integral,+s:=``."""
+        ``score=0.81; static; +t:integral,+t:derivative,-t:joke``."""
         head = f"{self.head}({self.detail})" if self.detail else self.head
         return f"score={self.score:.2f}; {head}; {','.join(self.reasons) or 'none'}"
 
@@ -202,6 +210,7 @@ def classify(
     vector: npt.NDArray[np.floating] | None = None,
     window: tuple[int, int] | None = None,
     head: EmbeddingHead | None = None,
+    static: StaticHead | None = None,
     fallback: str = "",
 ) -> Classification:
     """Score ``body`` (chat ``messages`` or completion ``prompt``) and pick the tier holding the score.
@@ -209,10 +218,13 @@ def classify(
     With ``vector`` (the embedding of ``embedding_text(instruction(body))``) the embedding
     head decides (``head``, the shipped one by default), with ``window`` (the word pieces
     and characters the model read of that text, from the same embedding) when the head
-    weighs it; without, the n-gram model, and ``fallback`` says why the embedding head did
-    not (shown in the header; "" when it was not asked to).
+    weighs it, and the n-gram ``model``'s logit when the head weighs that; without, the
+    static head (``static``, the shipped one by default), and ``fallback`` says why the
+    embedding head did not (shown in the header; "" when it was not asked to).
     """
-    return classify_text(instruction(body), tiers, model, vector=vector, window=window, head=head, fallback=fallback)
+    return classify_text(
+        instruction(body), tiers, model, vector=vector, window=window, head=head, static=static, fallback=fallback
+    )
 
 
 def classify_text(
@@ -223,13 +235,16 @@ def classify_text(
     vector: npt.NDArray[np.floating] | None = None,
     window: tuple[int, int] | None = None,
     head: EmbeddingHead | None = None,
+    static: StaticHead | None = None,
     fallback: str = "",
 ) -> Classification:
     """Score one instruction text and pick the tier holding the score (see ``classify``)."""
-    m = model or default_model()
     if vector is not None:
         h = head or default_head()
-        ngram_logit, contributions = m.logit(features(text)) if h.uses_ngrams else (0.0, [])
+        if h.uses_ngrams:
+            ngram_logit, contributions = (model or default_model()).logit(features(text))
+        else:
+            ngram_logit, contributions = 0.0, []
         parts = h.logit(vector, ngram_logit, len(text), window)
         score = h.score(parts.total)
         detail = f"emb{parts.embedding:+.2f}"
@@ -240,9 +255,11 @@ def classify_text(
         if h.uses_window:
             detail += f",cpt{parts.chars_per_token:+.2f}"
         return Classification(_tier_for(score, tiers), round(score, 3), _reasons(contributions), EMBEDDING, detail)
-    logit, contributions = m.logit(features(text))
-    score = m.score(logit)
-    return Classification(_tier_for(score, tiers), round(score, 3), _reasons(contributions), NGRAM, fallback)
+    s = static or default_static_head()
+    static_parts = s.logit(text, reasons=4 * MAX_REASONS)
+    score = s.score(static_parts.total)
+    reasons = _reasons([("t:" + piece, part) for piece, part in static_parts.pieces])
+    return Classification(_tier_for(score, tiers), round(score, 3), reasons, STATIC, fallback)
 
 
 def _reasons(contributions: list[tuple[str, float]]) -> tuple[str, ...]:

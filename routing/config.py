@@ -62,9 +62,9 @@ class ClassifierSettings(_Frozen):
     """Which head classifies ``auto`` requests (docs/routing.md, "Complexity classifier").
 
     ``embedding``: ``auto`` scores a request with the embedding head when the tenant's
-    semantic cache embeds its text anyway (one embedding, shared), else with the n-gram
-    model; ``always`` embeds every classified request's text (the embedding model loads at
-    start-up, ~5 ms of CPU per request); ``never`` keeps to the n-gram model.
+    semantic cache embeds its text anyway (one embedding, shared), else with the static
+    head; ``always`` embeds every classified request's text (the embedding model loads at
+    start-up, ~5 ms of CPU per request); ``never`` keeps to the static head.
     """
 
     embedding: EmbeddingUse = "auto"

@@ -1,5 +1,5 @@
-"""What the classifier's two models (the n-gram model, the embedding head) share: reading
-their data files, and the calibration those files carry."""
+"""What the classifier's models (the static head, the embedding head, the n-gram model)
+share: reading their data files, and the calibration those files carry."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def read_data_file(
 
 def calibrated(logit: float, scale: float, shift: float) -> float:
     """The score in [0, 1] of a model's ``logit``: ``sigmoid(scale * logit + shift)``, without
-    overflow for large ``|z|``. Both models are calibrated so the same tier boundaries hold."""
+    overflow for large ``|z|``. Every model is calibrated so the same tier boundaries hold."""
     z = scale * logit + shift
     if z >= 0:
         return 1.0 / (1.0 + math.exp(-z))

@@ -5,7 +5,7 @@ the shipped layers, 384 dimensions). The same vector says a good deal about how 
 ask is, and better than words do on prompts written by people the model never read
 (``bench/results/classifier.md``): a short technical ask with no word any training prompt
 used still lands near other technical asks. When a request's vector is at hand the head
-scores it; the n-gram model (``routing.classifier``) scores everything else.
+scores it; the static head (``routing.static_head``) scores everything else.
 
 The logit is ``weights . vector + ngram_weight * ngram_logit + length_weight *
 log1p(characters) + chars_per_token_weight * log(characters per token) + bias``, calibrated

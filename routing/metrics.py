@@ -55,7 +55,7 @@ class RoutingMetrics(MetricSet):
         )
         self.classifier_heads = Counter(
             "fleetgate_routing_classifier_heads",
-            "Classified requests by the classifier head that scored them (embedding, ngram) and why "
+            "Classified requests by the classifier head that scored them (embedding, static) and why "
             "the embedding head did not when it was asked to (none, unavailable, timeout, error, mismatch).",
             ["head", "fallback"],
             registry=r,

@@ -51,6 +51,7 @@ from routing.policies import (
 from routing.prefix_index import PrefixIndex
 from routing.prefix_placement import AnchorPlacement
 from routing.retry_budget import RetryBudget
+from routing.static_head import default_static_head
 from routing.tier_map import TierMap
 
 # Completion tokens assumed owed when a request sets no max_tokens (routing estimate only).
@@ -395,9 +396,11 @@ class Router:
     ) -> None:
         self.pools = dict(pools)
         self.tiers = tiers
-        # The classifier's embedding head (None: n-grams only) and when it is asked for.
+        # The classifier's embedding head (None: the static head only) and when it is asked
+        # for; the static head scores every other classified request (read here, at start).
         self.head = head
         self.embedding_use = embedding_use
+        self.static = default_static_head() if tiers.active else None
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
@@ -517,7 +520,7 @@ class Router:
         if vector is not None and self.head is not None:
             classification = classify(body, tiers.ranges, vector=vector, window=window, head=self.head)
         else:
-            classification = classify(body, tiers.ranges, fallback=fallback)
+            classification = classify(body, tiers.ranges, static=self.static, fallback=fallback)
         rm = self.metrics
         rm.series(rm.classifier_heads, classification.head, fallback or "none").inc()
         tier, reason = resolve_tier(classification, forced, allowed)

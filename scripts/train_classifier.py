@@ -1,4 +1,6 @@
-"""Train the complexity classifier and write routing/data/classifier.json.
+"""Train the classifier's n-gram model and write routing/data/classifier.json (``--embedding``:
+the embedding head). The static head, which classifies when no embedding is at hand, is
+``scripts/train_static_head.py``'s; it shares this module's folds, weights and calibration.
 
     .venv/bin/python -m scripts.train_classifier            # needs ../shared/data and scikit-learn
 

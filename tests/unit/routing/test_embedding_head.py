@@ -16,7 +16,7 @@ import pytest
 from routing.classifier import (
     DEFAULT_TIERS,
     EMBEDDING,
-    NGRAM,
+    STATIC,
     LinearModel,
     classify,
     features,
@@ -98,12 +98,12 @@ def test_chars_per_token_is_the_log_ratio_and_never_infinite() -> None:
     assert chars_per_token(0, 0) == 0.0
 
 
-def test_without_a_vector_the_ngram_model_decides_and_the_header_says_why() -> None:
+def test_without_a_vector_the_static_head_decides_and_the_header_says_why() -> None:
     plain = classify(user("What is the capital of France?"))
-    assert plain.head == NGRAM and plain.header().startswith(f"score={plain.score:.2f}; ngram; -")
+    assert plain.head == STATIC and plain.header().startswith(f"score={plain.score:.2f}; static; ")
     late = classify(user("What is the capital of France?"), fallback="timeout")
-    assert late.head == NGRAM and late.score == plain.score
-    assert late.header().startswith(f"score={late.score:.2f}; ngram(timeout); -")
+    assert late.head == STATIC and late.score == plain.score
+    assert late.header().startswith(f"score={late.score:.2f}; static(timeout); ")
 
 
 def test_calibration_maps_logits_through_scale_and_shift() -> None:
