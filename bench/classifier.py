@@ -43,8 +43,6 @@ from bench.classifier_data import EASY, HARD, MIDDLE, Prompt, available, data_di
 from bench.classifier_keywords import keyword_score
 from routing.classifier import (
     DEFAULT_TIERS,
-    HEAD_CHARS,
-    TAIL_CHARS,
     LinearModel,
     classify,
     default_model,
@@ -52,7 +50,7 @@ from routing.classifier import (
     instruction,
 )
 from routing.embedding_head import EmbeddingHead, default_head, embedding_text
-from routing.static_head import StaticHead, default_static_head
+from routing.static_head import HEAD_CHARS, TAIL_CHARS, StaticHead, default_static_head
 from scripts.train_classifier import (
     CALIBRATION_PROTOCOL,
     HEAD_CALIBRATION_PROTOCOL,

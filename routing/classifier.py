@@ -11,7 +11,7 @@ coding and maths asks from real users high, everyday questions and simple instru
 low. What counts as hard and easy, and why, is in docs/routing.md ("Complexity classifier").
 
 Features (``features``): the latest user message, lower-cased, digits folded to ``0``,
-its head and tail only (``HEAD_CHARS + TAIL_CHARS``) so cost does not
+its head and tail only (``routing.static_head.window``) so cost does not
 grow with a pasted document: words (less ``FUNCTION_WORDS``, which carry a writer's style
 rather than the ask), pairs of adjacent remaining words, and runs of one to three symbols
 (code syntax and formulas: ``()``, ``=``, ``\\``). Length is not a feature: measured out of
@@ -55,14 +55,10 @@ import numpy.typing as npt
 
 from routing.data_file import calibrated, read_data_file
 from routing.embedding_head import EmbeddingHead, default_head
-from routing.static_head import StaticHead, default_static_head
+from routing.static_head import StaticHead, default_static_head, window
 
 MODEL_FORMAT = 1
 DEFAULT_MODEL = "classifier.json"
-# Only the head and tail of the instruction are read: instructions sit at the start or the
-# end of a pasted document, and reading it all would make cost grow with its size.
-HEAD_CHARS = 500
-TAIL_CHARS = 250
 MAX_REASONS = 3
 # Words that say how a person writes, not what they ask: left out, so that a source's style
 # (questions in QQP's "what is the", self-instruct's "you are given a") cannot stand in for
@@ -161,9 +157,7 @@ class LinearModel:
 
 def features(text: str) -> set[str]:
     """The features of one text (the same function at training and at routing time)."""
-    if len(text) > HEAD_CHARS + TAIL_CHARS:
-        text = text[:HEAD_CHARS] + " " + text[-TAIL_CHARS:]
-    text = _DIGITS.sub("0", text.lower())
+    text = _DIGITS.sub("0", window(text).lower())
     words = _WORD.findall(text)
     words = [w for w in words if w not in FUNCTION_WORDS]
     out = {"w:" + w for w in words}

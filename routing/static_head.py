@@ -8,14 +8,14 @@ static distillation of the model, as Model2Vec makes them: Tulkens and van Donge
 The text's vector is the sum of its pieces' vectors, made unit length; a logistic head over
 it, log length and characters per word piece gives the logit.
 
-Because every piece of the vocabulary has a vector, words no labelled prompt contains still
-score by what they are near ("promql" near "sql" and "query"): that is what the n-gram
-model, whose weights exist only for features its training prompts had, could not do on
-sources it never read (docs/routing.md, bench/results/classifier.md).
+Because every piece of the vocabulary has a vector, a word no labelled prompt contains
+still scores by what its pieces are near ("kubelet" is ``ku ##bel ##et``): that is what the
+n-gram model, whose weights exist only for features its training prompts had, could not do
+on sources it never read (docs/routing.md, bench/results/classifier.md).
 
 The head is linear in the unit vector, so each piece's part of the logit is its own score
 (its vector times the weights) over the sum's length: a decision explains itself by the
-pieces that moved it most (``+t:integral``, ``+t:##ql``).
+pieces that moved it most (``+t:integral``, ``-t:joke``).
 
 Tokenisation is BERT's uncased one (lower case, accents stripped, punctuation and CJK
 characters split off, then greedy longest-match word pieces), written out here so that the
@@ -42,7 +42,8 @@ from routing.data_file import calibrated, read_data_file
 
 FORMAT = 1
 DEFAULT_STATIC = "classifier-static.json"
-# Read of a long text: its head and tail (the ask sits at the start or the end of a paste).
+# Read of a long text, by this head and the n-gram model: its head and tail (the ask sits at
+# the start or the end of a paste, and the cost stays flat whatever the size).
 HEAD_CHARS = 500
 TAIL_CHARS = 250
 # BERT's limit: a longer word is one unknown piece.

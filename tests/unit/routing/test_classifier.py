@@ -17,8 +17,6 @@ import pytest
 
 from routing.classifier import (
     DEFAULT_TIERS,
-    HEAD_CHARS,
-    TAIL_CHARS,
     Classification,
     ClassifierModelError,
     LinearModel,
@@ -32,7 +30,7 @@ from routing.classifier import (
     resolve_tier,
     validate_tiers,
 )
-from routing.static_head import StaticHead, default_static_head
+from routing.static_head import HEAD_CHARS, TAIL_CHARS, StaticHead, default_static_head
 
 FIXTURE = Path(__file__).resolve().parents[2] / "data" / "classifier_fixture.jsonl"
 
