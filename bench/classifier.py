@@ -10,18 +10,21 @@ labelled prompt is scored by a model trained without its fold, through the shipp
 calibration, and the out-of-fold scores are pooled: a held-out source of one class alone has
 no AUC. Beside them, every pair of a hard and an easy group is held out together and both are
 scored by the one model that read neither (``pairs_held_out``): the shipped model's case on
-sources it never saw, with no pooling of two models' logits. Three classifiers: the n-gram
-model, the embedding head (``routing.embedding_head``, its recipe
-``scripts.train_classifier.HeadRecipe``), and the two as the gateway mixes them when the
-semantic cache is what embeds (``embedding: auto``): the head for texts the cache
-embeds (at most ``cache.semantic.max_text_chars``), n-grams for longer ones. Reported on the
+sources it never saw, with no pooling of two models' logits. Four classifiers: the static
+head (``routing.static_head``, ``scripts/train_static_head.py``), the n-gram model it
+replaced (the baseline), the embedding head (``routing.embedding_head``, its recipe
+``scripts.train_classifier.HeadRecipe``), and the two heads as the gateway mixes them when
+the semantic cache is what embeds (``embedding: auto``): the embedding head for texts the
+cache embeds (at most ``cache.semantic.max_text_chars``), the static head for longer ones.
+Reported on the
 same prompts: AUC hard vs easy, of prompt length in characters and of the old keyword rule
 (``bench.classifier_keywords``); the tier confusion at the default boundaries; each held-out
 group's tiers. The middle kinds (never trained on) are scored by models trained on every
 labelled prompt. Candidates: the head's recipes (length, n-gram logit, characters per token)
 side by side. Cost:
 single ``classify`` calls on every prompt, ``REPEATS`` times, wall and thread CPU time
-(``timing``), with and without a vector; and the embedding itself, one text at a time.
+(``timing``), with and without a vector, and the n-gram model's own call; and the embedding
+itself, one text at a time.
 """
 
 from __future__ import annotations
