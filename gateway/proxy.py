@@ -36,7 +36,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.progress_timeout import ProgressTimeout
 from gateway.settings import UpstreamSettings
 from gateway.sse import SseError, SseScanner, error_event
-from gateway.upstream import ConnectTimeout, UpstreamClient, UpstreamError, UpstreamResponse
+from gateway.upstream import ConnectTimeout, ResponseTooLarge, UpstreamClient, UpstreamError, UpstreamResponse
 from replicas.replica import Claim, Replica
 from routing.router import EXHAUSTED, NO_REPLICA
 
@@ -108,6 +108,10 @@ class Proxy:
                 claim.release()
                 last = failure
                 if failure.kind == "deadline":
+                    break
+                if failure.kind == "too_large":
+                    # The request's answer, not the replica's fault: another would send as much.
+                    self.metrics.upstream_errors.labels(replica.id, failure.kind).inc()
                     break
                 self._failed(replica, failure)
                 continue
@@ -198,12 +202,15 @@ class Proxy:
                 call.upstream_body(replica.served_model),
                 self._request_headers(ex, replica),
                 timeout_s=self.settings.request_timeout_s,
+                max_bytes=self.settings.max_response_bytes,
             )
             ctype = ctype or "application/json"
         except ConnectTimeout as exc:
             raise UpstreamFailure("connect_timeout", f"{replica.id}: {exc}") from exc
         except TimeoutError as exc:
             raise UpstreamFailure("timeout", f"{replica.id} timed out") from exc
+        except ResponseTooLarge as exc:
+            raise UpstreamFailure("too_large", f"{replica.id}: {exc}") from exc
         except UpstreamError as exc:
             raise UpstreamFailure("connect", f"{replica.id}: {exc}") from exc
         finally:
@@ -289,7 +296,7 @@ class Proxy:
                     self._request_headers(ex, replica),
                 )
                 if resp.status != 200:
-                    body = await resp.read()
+                    body = await resp.read(self.settings.max_response_bytes)
                     status = resp.status
                     resp.release()
                     _check_status(replica, status)
@@ -312,6 +319,10 @@ class Proxy:
             if resp is not None:
                 resp.close()
             raise UpstreamFailure("timeout", f"{replica.id} sent nothing in time") from exc
+        except ResponseTooLarge as exc:
+            if resp is not None:
+                resp.close()
+            raise UpstreamFailure("too_large", f"{replica.id}: {exc}") from exc
         except UpstreamError as exc:
             if resp is not None:
                 resp.close()
@@ -443,6 +454,12 @@ def _exhausted(ex: Exchange, last: UpstreamFailure | None) -> GatewayError:
     if last is not None and last.kind == "connect_timeout":
         return GatewayTimeout(
             f"No replica accepted a connection in time ({ex.attempts} attempt(s)).", code="upstream_connect_timeout"
+        )
+    if last is not None and last.kind == "too_large":
+        return BadGateway(
+            "The replica's answer is larger than the gateway holds for a non-streamed request "
+            "(upstream.max_response_bytes); ask for it streamed.",
+            code="upstream_response_too_large",
         )
     if ex.stop == "retry_budget":
         return BadGateway(

@@ -123,6 +123,9 @@ class UpstreamSettings(_Frozen):
     chunk_gap_timeout_s: float = Field(30.0, gt=0)
     # Whole non-streaming request.
     request_timeout_s: float = Field(600.0, gt=0)
+    # Largest non-streamed answer read from a replica (it is held whole in memory); a larger
+    # one is a 502 upstream_response_too_large, not retried. Streams are relayed, not held.
+    max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # SSE comment sent to a waiting streaming client so proxies do not cut it.
     keepalive_interval_s: float = Field(10.0, gt=0)
     # Tries per request across replicas (1 = no retry); only before a byte reached the client.

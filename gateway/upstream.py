@@ -16,8 +16,8 @@ chunks arrive.
   leaves the stream's timing to the caller (first byte, gaps between chunks).
 - A stream's reader pauses the socket when unread data piles up (``_HIGH_WATER``), so a
   slow client slows the replica's connection instead of filling memory.
-- Errors are ``UpstreamError`` (connection refused, reset, closed early, bad HTTP) or
-  ``TimeoutError``.
+- Errors are ``UpstreamError`` (connection refused, reset, closed early, bad HTTP; its
+  ``ResponseTooLarge``: a body read whole past the caller's bound) or ``TimeoutError``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ _POLLS_BEFORE_TIMEOUT = 4
 
 class UpstreamError(Exception):
     """The replica could not be reached or broke the exchange."""
+
+
+class ResponseTooLarge(UpstreamError):
+    """A body to be read whole grew past the caller's bound (``fetch(max_bytes=...)``)."""
 
 
 class ConnectTimeout(TimeoutError):
@@ -264,11 +268,13 @@ class UpstreamResponse:
             self.connection.resume()
         return data
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body; ``ResponseTooLarge`` as soon as more than ``max_bytes`` arrived."""
         while not self.complete:
             if self._error is not None:
                 raise self._error
+            if max_bytes is not None and self._size > max_bytes:
+                raise ResponseTooLarge(f"the answer is larger than {max_bytes} bytes")
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -279,6 +285,8 @@ class UpstreamResponse:
                 self.connection.resume()
         if self._error is not None:
             raise self._error
+        if max_bytes is not None and self._size > max_bytes:
+            raise ResponseTooLarge(f"the answer is larger than {max_bytes} bytes")
         data = b"".join(self._chunks)
         self._chunks.clear()
         return data
@@ -429,8 +437,10 @@ class UpstreamClient:
         headers: dict[str, str] | None = None,
         *,
         timeout_s: float | None = None,
+        max_bytes: int | None = None,
     ) -> Fetched:
-        """The whole exchange, within ``timeout_s``."""
+        """The whole exchange, within ``timeout_s``; a body of more than ``max_bytes`` is
+        ``ResponseTooLarge`` (the connection is closed, not read to its end)."""
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -445,7 +455,7 @@ class UpstreamClient:
         response: UpstreamResponse | None = None
         try:
             response = await self.open(method, url, body, headers)
-            data = await response.read()
+            data = await response.read(max_bytes)
             fetched = Fetched(response.status, response.content_type, data, response.retry_after)
             response.release()
             response = None

@@ -121,7 +121,8 @@ class FaultyUpstream(_ScriptedUpstream):
     client leaves; records the disconnect in ``disconnected``), "status:NNN" (answers NNN
     with vLLM's error body and ``Retry-After: 1``), "malformed" (a 200 whose body, or whose
     second event when streaming, is cut-off JSON), "endless_event" (one event, then an event
-    that never ends: 64 KiB pieces without a blank line, up to 16 MiB).
+    that never ends: 64 KiB pieces without a blank line, up to 16 MiB), "huge" (a 200 of
+    valid JSON, 1 MiB, sent as chunks of unknown length).
     """
 
     def __init__(self, model: str, mode: str, delay: float = 0.0) -> None:
@@ -153,6 +154,15 @@ class FaultyUpstream(_ScriptedUpstream):
             return web.Response(
                 body=b'{"id": "x", "object": "chat.completion", "choices": [{"ind', content_type="application/json"
             )
+        if self.mode == "huge" and not body.get("stream"):
+            huge = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await huge.prepare(request)
+            await huge.write(b'{"id": "x", "object": "chat.completion", "padding": "')
+            for _ in range(16):
+                await huge.write(b"x" * 65536)
+            await huge.write(b'", "choices": []}')
+            await huge.write_eof()
+            return huge
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:

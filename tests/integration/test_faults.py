@@ -461,6 +461,35 @@ def test_malformed_answers_and_busy_statuses(tmp_path: Path) -> None:
             assert error_lines(gw) == []
 
 
+def test_a_non_streamed_answer_past_the_bound_is_a_502_not_retried(tmp_path: Path) -> None:
+    """A non-streamed answer is held whole: past ``upstream.max_response_bytes`` it is cut
+    (the connection closed, the rest never read) and the client told to stream; it is the
+    request's answer, not the replica's fault, so it is neither retried nor held against the
+    replica. Within the bound, the same answer goes through."""
+    huge = FaultyUpstream(MODEL, "huge")
+    with threaded(huge.app()) as bad, sim_process("--ttft-ms", "1") as good:
+        config = {
+            **external(bad, good, max_response_bytes=256 * 1024),
+            "routing": {"policy": "round_robin"},  # every other request to the huge one
+        }
+        with gateway_process(config, tmp_path) as gw:
+            replies = [
+                httpx.post(f"{gw.url}/v1/chat/completions", json=chat(2), headers=AUTH, timeout=30) for _ in range(4)
+            ]
+            cut = [r for r in replies if r.status_code == 502]
+            assert len(cut) == 2 and all(r.status_code == 200 for r in replies if r not in cut)
+            assert all(r.json()["error"]["code"] == "upstream_response_too_large" for r in cut)
+            assert huge.hits == 2  # each once: not retried on the other replica
+            assert metric(gw, "fleetgate_upstream_errors_total", kind="too_large") == 2
+            assert {line["attempts"] for line in access_lines(gw)} == {1}
+            assert error_lines(gw) == []
+    with threaded(FaultyUpstream(MODEL, "huge").app()) as bad:
+        (tmp_path / "default").mkdir()
+        with gateway_process(external(bad), tmp_path / "default") as gw:
+            reply = httpx.post(f"{gw.url}/v1/chat/completions", json=chat(2), headers=AUTH, timeout=30)
+            assert reply.status_code == 200 and len(reply.content) > 1024 * 1024
+
+
 # -- every replica down, Redis frozen, a bad config under load ---------------------------------
 
 

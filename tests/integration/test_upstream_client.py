@@ -11,7 +11,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from gateway.upstream import ConnectTimeout, UpstreamClient, UpstreamError
+from gateway.upstream import ConnectTimeout, ResponseTooLarge, UpstreamClient, UpstreamError
 from tests.integration.harness import serve_app, unreachable_port
 
 
@@ -132,6 +132,33 @@ async def test_after_a_stale_connection_the_request_goes_on_a_new_one_not_anothe
         assert (await client.fetch("POST", url + "/", b"x"))[2] == b"ok"
         await client.close()
     assert connections == 3  # one stale connection tried, then a new one; the other stale one never
+
+
+async def test_a_body_past_the_bound_is_refused_and_its_connection_dropped() -> None:
+    """A body read whole is bounded (``fetch(max_bytes=...)``): sized or not, past the bound
+    it is ``ResponseTooLarge`` before the rest arrives, and its connection is not pooled."""
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                await read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for _ in range(64):  # 4 MiB unless the client leaves first
+                    writer.write(b"10000\r\n" + b"x" * 65536 + b"\r\n")
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+
+    async with raw_server(handle) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        with pytest.raises(ResponseTooLarge):
+            await client.fetch("POST", url + "/", b"x", max_bytes=256 * 1024)
+        assert len((await client.fetch("POST", url + "/", b"x"))[2]) == 64 * 65536  # unbounded: all of it
+        await client.close()
+    assert connections == 2  # the cut connection was dropped, not reused
 
 
 async def test_a_body_ended_by_closing_the_connection() -> None:
