@@ -70,7 +70,7 @@ from scripts.train_classifier import (
     train_final,
     train_final_head,
 )
-from scripts.train_static_head import StaticInputs, untrained
+from scripts.train_static_head import StaticInputs
 from scripts.train_static_head import fit as fit_static
 from scripts.train_static_head import out_of_fold as static_out_of_fold
 
@@ -231,17 +231,17 @@ def pairs_held_out(
         held = hard + easy
         rest = [i for i in labelled if prompts[i].group not in (hard_group, easy_group)]
         ngram = fit_on(prompts, feats, rest).logits([feats[i] for i in held])
-        scores = {"n-gram": head_scores_of(shipped, ngram)}
+        scores = {"n-gram": scores_of(shipped.score, ngram)}
         static_head, inputs = static
         coef, bias = fit_static(inputs, prompts, rest)
-        scores["static head"] = static_scores(static_head, inputs.x[held] @ coef + bias)
+        scores["static head"] = scores_of(static_head.score, inputs.x[held] @ coef + bias)
         if head is not None:
             calibrated, vectors, recipe, cached = head
             x, per_token = vectors.x, vectors.per_token
             y = [int(prompts[i].label == HARD) for i in rest]
             fitted = fit_head(x[rest], lengths[rest], per_token[rest], y, [prompts[i].group for i in rest], recipe)
             logits = fitted.logits(x[held], lengths[held], per_token[held], ngram)
-            scores["embedding head"] = head_scores(calibrated, logits)
+            scores["embedding head"] = scores_of(calibrated.score, logits)
             scores[MIXED] = np.where(cached[held], scores["embedding head"], scores["static head"])
         pairs.append(HeldPair(hard_group, easy_group, hard, easy, scores))
     return pairs
@@ -371,12 +371,9 @@ def window_cost(texts: Sequence[str]) -> Cost:
     return asyncio.run(run())
 
 
-def static_scores(static: StaticHead, logits: np.ndarray) -> np.ndarray:
-    return np.array([static.score(v) if not np.isnan(v) else np.nan for v in logits])
-
-
-def head_scores(head: EmbeddingHead, logits: np.ndarray) -> np.ndarray:
-    return np.array([head.score(v) if not np.isnan(v) else np.nan for v in logits])
+def scores_of(score: Callable[[float], float], logits: np.ndarray) -> np.ndarray:
+    """Logits through a head's calibration (``score``); NaN (not scored) stays NaN."""
+    return np.array([score(v) if not np.isnan(v) else np.nan for v in logits])
 
 
 def cost_row(name: str, c: Cost, unit: str = "µs") -> str:
@@ -407,18 +404,18 @@ def main() -> None:
     fresh = LinearModel(retrained.weights, retrained.bias, shipped.scale, shipped.shift)
     ngram_all = np.array([fresh.logit(f)[0] for f in feats])
     ngram_logits = {protocol: out_of_fold(prompts, feats, protocol) for protocol in PROTOCOLS}
-    ngram_scores = {protocol: head_scores_of(shipped, ngram_logits[protocol]) for protocol in PROTOCOLS}
+    ngram_scores = {protocol: scores_of(shipped.score, ngram_logits[protocol]) for protocol in PROTOCOLS}
     middle: dict[str, np.ndarray] = {"n-gram": np.array([fresh.score(v) for v in ngram_all])}
     scores: dict[str, dict[str, np.ndarray]] = {"n-gram": ngram_scores}
     head: EmbeddingHead | None = None
     candidates: list[str] = []
     embed_s = 0.0
     static = default_static_head()
-    static_inputs = StaticInputs.of(untrained(static.tokens, static.table), prompts)
+    static_inputs = StaticInputs.of(static, prompts)
     static_logits = {p: static_out_of_fold(static_inputs, prompts, p) for p in PROTOCOLS}
-    scores["static head"] = {p: static_scores(static, static_logits[p]) for p in PROTOCOLS}
+    scores["static head"] = {p: scores_of(static.score, static_logits[p]) for p in PROTOCOLS}
     coef, bias = fit_static(static_inputs, prompts, labelled)
-    middle["static head"] = static_scores(static, static_inputs.x @ coef + bias)
+    middle["static head"] = scores_of(static.score, static_inputs.x @ coef + bias)
     if not args.no_embedding:
         head = default_head()
         started = time.perf_counter()
@@ -433,11 +430,13 @@ def main() -> None:
             length=head.length_weight != 0.0, ngram_weight=head.ngram_weight, chars_per_token=head.uses_window
         )
         head_logits = {p: head_out_of_fold(prompts, vectors, ngram_logits[p], p, recipe) for p in PROTOCOLS}
-        scores["embedding head"] = {p: head_scores(head, head_logits[p]) for p in PROTOCOLS}
+        scores["embedding head"] = {p: scores_of(head.score, head_logits[p]) for p in PROTOCOLS}
         cached = np.array([len(embedding_text(p.text)) <= CACHE_MAX_TEXT_CHARS for p in prompts])
         scores[MIXED] = {p: np.where(cached, scores["embedding head"][p], scores["static head"][p]) for p in PROTOCOLS}
         final = train_final_head(prompts, vectors, recipe)
-        middle["embedding head"] = head_scores(head, final.logits(x, lengths_of(prompts), vectors.per_token, ngram_all))
+        middle["embedding head"] = scores_of(
+            head.score, final.logits(x, lengths_of(prompts), vectors.per_token, ngram_all)
+        )
         middle[MIXED] = np.where(cached, middle["embedding head"], middle["static head"])
         hard = [i for i in labelled if prompts[i].label == HARD]
         easy = [i for i in labelled if prompts[i].label == EASY]
@@ -667,10 +666,6 @@ def kept_section(path: Path) -> str:
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     start = text.find("\n" + KEPT_SECTION)
     return text[start:] if start >= 0 else ""
-
-
-def head_scores_of(model: LinearModel, logits: np.ndarray) -> np.ndarray:
-    return np.array([model.score(v) if not np.isnan(v) else np.nan for v in logits])
 
 
 if __name__ == "__main__":
