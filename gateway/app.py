@@ -57,6 +57,7 @@ from replicas.fleet import Fleet
 from routing.embedding_head import EmbeddingHeadError, load_head
 from routing.metrics import QueueCollector, RoutingMetrics
 from routing.router import PoolSpec, Router
+from routing.static_head import StaticHeadError, load_static_head
 
 log = logging.getLogger("fleetgate.app")
 
@@ -131,6 +132,10 @@ class Gateway:
             head = None if classifier.embedding == "never" else load_head(classifier.embedding_head_path)
         except EmbeddingHeadError as exc:
             raise ConfigError(f"routing.classifier.embedding_head_path: {exc}") from exc
+        try:
+            static = load_static_head(classifier.static_head_path) if classifier.static_head_path else None
+        except StaticHeadError as exc:
+            raise ConfigError(f"routing.classifier.static_head_path: {exc}") from exc
         self.router = Router.build(
             settings.routing,
             [PoolSpec(m.name, m.tier, tuple(m.fallback), m.capacity) for m in settings.models],
@@ -139,6 +144,7 @@ class Gateway:
             clock=clock,
             metrics=self.routing_metrics,
             head=head,
+            static=static,
         )
         self.metrics.registry.register(QueueCollector(self.router.depths))
         self.pending = PendingTokens(m.name for m in settings.models)

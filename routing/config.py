@@ -71,6 +71,9 @@ class ClassifierSettings(_Frozen):
     # A head trained for the vectors of one's own cache.semantic.model_dir
     # (scripts/train_classifier.py --embedding); default: the shipped head.
     embedding_head_path: str | None = None
+    # A static head of one's own (scripts/train_static_head.py --out FILE, on one's own
+    # labelled prompts); default: the shipped head.
+    static_head_path: str | None = None
 
 
 class AffinitySettings(_Frozen):

@@ -51,7 +51,7 @@ from routing.policies import (
 from routing.prefix_index import PrefixIndex
 from routing.prefix_placement import AnchorPlacement
 from routing.retry_budget import RetryBudget
-from routing.static_head import default_static_head
+from routing.static_head import StaticHead, default_static_head
 from routing.tier_map import TierMap
 
 # Completion tokens assumed owed when a request sets no max_tokens (routing estimate only).
@@ -393,14 +393,16 @@ class Router:
         clock: Callable[[], float],
         head: EmbeddingHead | None = None,
         embedding_use: EmbeddingUse = "never",
+        static: StaticHead | None = None,
     ) -> None:
         self.pools = dict(pools)
         self.tiers = tiers
         # The classifier's embedding head (None: the static head only) and when it is asked
-        # for; the static head scores every other classified request (read here, at start).
+        # for; the static head (the shipped one unless given) scores every other classified
+        # request, read here, at start, when there are tiers to classify into.
         self.head = head
         self.embedding_use = embedding_use
-        self.static = default_static_head() if tiers.active else None
+        self.static = (static or default_static_head()) if tiers.active else None
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
@@ -424,6 +426,7 @@ class Router:
         metrics: RoutingMetrics,
         weights: dict[str, float] | None = None,
         head: EmbeddingHead | None = None,
+        static: StaticHead | None = None,
     ) -> Router:
         ls = settings.load
         load = LoadModel(ls.tokens_per_request, ls.kv_knee, ls.kv_full_tokens)
@@ -471,6 +474,7 @@ class Router:
             clock=clock,
             head=head,
             embedding_use=settings.classifier.embedding,
+            static=static,
         )
 
     def chain(self, model: str) -> tuple[Pool, ...]:

@@ -7,11 +7,15 @@ is needed to fill a pool.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from gateway.settings import ConfigError
+from routing.static_head import default_static_head, encode_table
 from tests.integration.harness import (
     API_KEY,
     OTHER_KEY,
@@ -83,6 +87,42 @@ async def test_medium_without_a_model_uses_the_nearest_tier(tmp_path: Path) -> N
             reply = await chat(url, medium)
             assert "tier=medium" in reply.headers["x-fleetgate-route"]
             assert reply.json()["model"] == "large-m"
+
+
+async def test_a_static_head_of_ones_own_is_read_from_its_path(tmp_path: Path) -> None:
+    """``routing.classifier.static_head_path``: a head retrained on one's own prompts
+    (``scripts/train_static_head.py --out``) classifies in place of the shipped one; a file
+    that is not a head stops the gateway at start, naming the setting."""
+    shipped = default_static_head()
+    # The shipped vocabulary and table, with weights that send every text up: "hi" goes large.
+    mine = tmp_path / "static.json"
+    mine.write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "tokens": shipped.tokens,
+                "table": encode_table(shipped.table),
+                "weights": [0.0] * shipped.weights.size,
+                "bias": 5.0,
+                "length_weight": 0.0,
+                "chars_per_piece_weight": 0.0,
+                "scale": 1.0,
+                "shift": 0.0,
+            }
+        )
+    )
+    async with sim_upstream("small-m") as small, sim_upstream("large-m") as large:
+        routing = {"classifier": {"static_head_path": str(mine)}}
+        async with in_process_gateway(tiered(small, large, routing=routing), tmp_path) as (url, _, _):
+            reply = await chat(url, EASY)
+            assert reply.json()["model"] == "large-m"
+            assert reply.headers["x-fleetgate-route"].startswith("score=0.99; static; ")
+        broken = tmp_path / "broken.json"
+        broken.write_text('{"format": 1, "tokens": []}')
+        routing = {"classifier": {"static_head_path": str(broken)}}
+        with pytest.raises(ConfigError, match=r"routing\.classifier\.static_head_path: .*malformed"):
+            async with in_process_gateway(tiered(small, large, routing=routing), tmp_path / "broken"):
+                pass
 
 
 async def test_forced_tier_only_where_the_tenant_allows_it(tmp_path: Path) -> None:
