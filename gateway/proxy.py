@@ -205,14 +205,8 @@ class Proxy:
                 max_bytes=self.settings.max_response_bytes,
             )
             ctype = ctype or "application/json"
-        except ConnectTimeout as exc:
-            raise UpstreamFailure("connect_timeout", f"{replica.id}: {exc}") from exc
-        except TimeoutError as exc:
-            raise UpstreamFailure("timeout", f"{replica.id} timed out") from exc
-        except ResponseTooLarge as exc:
-            raise UpstreamFailure("too_large", f"{replica.id}: {exc}") from exc
-        except UpstreamError as exc:
-            raise UpstreamFailure("connect", f"{replica.id}: {exc}") from exc
+        except (TimeoutError, UpstreamError) as exc:
+            raise _attempt_failed(replica, exc, "timed out") from exc
         finally:
             ex.upstream_ended = self.clock()
         replica.last_progress_at = ex.upstream_ended  # it answered: alive, however busy
@@ -313,20 +307,10 @@ class Proxy:
                     resp.release()
                     raise UpstreamFailure("eof", f"{replica.id} closed the stream before any token")
                 return resp, first
-        except ConnectTimeout as exc:
-            raise UpstreamFailure("connect_timeout", f"{replica.id}: {exc}") from exc
-        except TimeoutError as exc:
+        except (TimeoutError, UpstreamError) as exc:
             if resp is not None:
                 resp.close()
-            raise UpstreamFailure("timeout", f"{replica.id} sent nothing in time") from exc
-        except ResponseTooLarge as exc:
-            if resp is not None:
-                resp.close()
-            raise UpstreamFailure("too_large", f"{replica.id}: {exc}") from exc
-        except UpstreamError as exc:
-            if resp is not None:
-                resp.close()
-            raise UpstreamFailure("connect", f"{replica.id}: {exc}") from exc
+            raise _attempt_failed(replica, exc, "sent nothing in time") from exc
 
     async def prepare(self, ex: Exchange, request: web.Request) -> web.StreamResponse:
         headers = dict(ex.headers)
@@ -442,6 +426,18 @@ async def _end_with_error(response: web.StreamResponse, err: GatewayError) -> No
     with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
         await response.write(error_event(err.message, err.code or "upstream_error", err.type))
         await response.write_eof()
+
+
+def _attempt_failed(replica: Replica, exc: TimeoutError | UpstreamError, timed_out: str) -> UpstreamFailure:
+    """The failure kind of an attempt the replica client gave up on (``timed_out``: what a
+    plain timeout says of the replica)."""
+    if isinstance(exc, ConnectTimeout):
+        return UpstreamFailure("connect_timeout", f"{replica.id}: {exc}")
+    if isinstance(exc, TimeoutError):
+        return UpstreamFailure("timeout", f"{replica.id} {timed_out}")
+    if isinstance(exc, ResponseTooLarge):
+        return UpstreamFailure("too_large", f"{replica.id}: {exc}")
+    return UpstreamFailure("connect", f"{replica.id}: {exc}")
 
 
 def _exhausted(ex: Exchange, last: UpstreamFailure | None) -> GatewayError:
