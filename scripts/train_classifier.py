@@ -45,7 +45,7 @@ import json
 import math
 import random
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,16 +188,24 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
     return float(values[order][np.searchsorted(cum, q * cum[-1])])
 
 
-def out_of_fold(prompts: Sequence[Prompt], feats: Sequence[set[str]], protocol: str) -> np.ndarray:
-    """Each labelled prompt's logit from a model trained without its fold (NaN for the middle kinds)."""
+def logits_out_of_fold(
+    prompts: Sequence[Prompt], protocol: str, train_and_score: Callable[[list[int], list[int]], np.ndarray]
+) -> np.ndarray:
+    """Each labelled prompt's logit from a model trained without its fold (NaN for the middle
+    kinds): ``train_and_score(rest, held)`` trains on ``rest`` and scores ``held``."""
     train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
     logits = np.full(len(prompts), np.nan)
     for held in folds(prompts, protocol):
         out = set(held)
-        rest = [i for i in train if i not in out]
-        model = fit_on(prompts, feats, rest)
-        logits[held] = model.logits([feats[i] for i in held])
+        logits[held] = train_and_score([i for i in train if i not in out], held)
     return logits
+
+
+def out_of_fold(prompts: Sequence[Prompt], feats: Sequence[set[str]], protocol: str) -> np.ndarray:
+    """The n-gram model's ``logits_out_of_fold``."""
+    return logits_out_of_fold(
+        prompts, protocol, lambda rest, held: fit_on(prompts, feats, rest).logits([feats[i] for i in held])
+    )
 
 
 def calibration(
@@ -340,18 +348,16 @@ def head_out_of_fold(
     protocol: str,
     recipe: HeadRecipe = HeadRecipe(),
 ) -> np.ndarray:
-    """Each labelled prompt's head logit from a head trained without its fold; ``ngram``: the
-    n-gram logits of the same folds (out of fold too). NaN for the middle kinds."""
-    train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    """The embedding head's ``logits_out_of_fold``; ``ngram``: the n-gram logits of the same
+    folds (out of fold too)."""
     x, lengths, per_token = vectors.x, lengths_of(prompts), vectors.per_token
-    logits = np.full(len(prompts), np.nan)
-    for held in folds(prompts, protocol):
-        out = set(held)
-        rest = [i for i in train if i not in out]
+
+    def train_and_score(rest: list[int], held: list[int]) -> np.ndarray:
         y = [int(prompts[i].label == HARD) for i in rest]
         head = fit_head(x[rest], lengths[rest], per_token[rest], y, [prompts[i].group for i in rest], recipe)
-        logits[held] = head.logits(x[held], lengths[held], per_token[held], np.nan_to_num(ngram[held]))
-    return logits
+        return head.logits(x[held], lengths[held], per_token[held], np.nan_to_num(ngram[held]))
+
+    return logits_out_of_fold(prompts, protocol, train_and_score)
 
 
 def train_final_head(

@@ -39,8 +39,8 @@ from scripts.train_classifier import (
     HEAD_HARD_QUANTILE,
     OUT,
     calibration,
-    folds,
     group_weights,
+    logits_out_of_fold,
 )
 
 STATIC_OUT = OUT.with_name(DEFAULT_STATIC)
@@ -103,14 +103,13 @@ def fit(inputs: StaticInputs, prompts: Sequence[Prompt], idx: Sequence[int]) -> 
 
 
 def out_of_fold(inputs: StaticInputs, prompts: Sequence[Prompt], protocol: str) -> np.ndarray:
-    """Each labelled prompt's logit from a head trained without its fold (NaN for the middle kinds)."""
-    train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
-    logits = np.full(len(prompts), np.nan)
-    for held in folds(prompts, protocol):
-        out = set(held)
-        coef, bias = fit(inputs, prompts, [i for i in train if i not in out])
-        logits[held] = inputs.x[held] @ coef + bias
-    return logits
+    """The static head's ``logits_out_of_fold``."""
+
+    def train_and_score(rest: list[int], held: list[int]) -> np.ndarray:
+        coef, bias = fit(inputs, prompts, rest)
+        return inputs.x[held] @ coef + bias
+
+    return logits_out_of_fold(prompts, protocol, train_and_score)
 
 
 def untrained(tokens: list[str], table: np.ndarray) -> StaticHead:
