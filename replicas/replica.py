@@ -122,6 +122,7 @@ class Replica:
             "breaker_open": not self.breaker.ready(now),
             "outstanding_requests": self.outstanding_requests,
             "outstanding_tokens": self.outstanding_tokens,
+            "prefill_requests": self.prefill_requests,
             "prefill_tokens": self.prefill_tokens,
             "foreign_requests": self.foreign_requests,
             "foreign_waiting": self.foreign_waiting,

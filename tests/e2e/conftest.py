@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -37,6 +36,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from gateway.settings import hash_key
 from replicas.launcher import group_members
+from tests.e2e.freezer import metric_sum
 from tests.integration.harness import API_KEY, GatewayProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,11 +275,13 @@ class E2EGateway:
         """``wait_fleet_sync`` in a worker thread."""
         return await asyncio.to_thread(self.wait_fleet_sync, predicate, timeout_s, what)
 
-    async def counter(self, name: str) -> float:
+    def counter_sync(self, name: str) -> float:
         """Sum of a gateway metric over its label sets (0 when it has none yet)."""
-        text = (await asyncio.to_thread(self._request, "GET", "/metrics")).text
-        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
-        return sum(float(v) for v in pattern.findall(text))
+        return metric_sum(self._request("GET", "/metrics").text, name)
+
+    async def counter(self, name: str) -> float:
+        """``counter_sync`` in a worker thread."""
+        return await asyncio.to_thread(self.counter_sync, name)
 
     def log_records(self) -> list[dict[str, Any]]:
         """The gateway's own log records (JSON lines on its stderr)."""

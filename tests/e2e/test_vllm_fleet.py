@@ -8,10 +8,10 @@ tiny model; vLLM takes about a minute to start):
 2. Chat and legacy completions, streamed and not, with exact token counts; both replicas
    serve; an endpoint vLLM lacks comes back as an OpenAI error.
 3. ``vllm:num_requests_running``, scraped into ``/admin/fleet``, rises under a burst.
-4. One replica's API server is frozen (SIGSTOP) while long requests run on it, then SIGKILLed
-   under steady load: no non-streaming request fails (the ones it was working on are
-   retried on the other), the streams it was serving end with an error event, and the
-   launcher restarts it until it serves again.
+4. One replica's API server is frozen (SIGSTOP) while long streams run on it, sent more
+   requests it never answers, then SIGKILLed under steady load: no non-streaming request
+   fails (the ones it held are retried on the other), the streams it was serving end with
+   an error event, and the launcher restarts it until it serves again.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,8 +35,10 @@ from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from tests.e2e.conftest import (
+    ADMIN_KEY,
     FLEET_START_TIMEOUT_S,
     MODEL,
+    ROOT,
     SINGLE_START_TIMEOUT_S,
     E2EGateway,
     bounded,
@@ -50,6 +54,7 @@ from tests.e2e.conftest import (
     vllm_replica,
     wait_group_gone,
 )
+from tests.e2e.freezer import ROUTED
 
 pytestmark = pytest.mark.e2e
 
@@ -59,15 +64,21 @@ PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me
 REPLICA_HEADER = "x-fleetgate-replica"
 REQUEST_ID_HEADER = "x-request-id"
 # As long as the tiny model's 4096 positions allow, to still be generating when the
-# replica dies a second or two after they start. How long that lasts depends on the
-# machine: eight such requests kept one replica busy for 15 s or more on a busy one; on a
-# quiet one they ran out within a few seconds, which is why the test freezes the replica
-# as soon as they have begun.
+# replica is frozen, which the test does as soon as they have begun: on a quiet machine
+# such a stream runs out within a few seconds.
 LONG_TOKENS = 4000
 # Few streams: relaying thousands of chunks a second keeps this test's event loop and the
 # gateway's busy, which delays the control calls that lead up to the kill.
 N_STREAMS = 2
+# Non-streaming requests sent to the frozen replica: in flight there, by construction,
+# until the kill. Long requests running beside the streams were the first design; on a
+# busy machine they were seen to run out before this test's event loop saw the streams'
+# first chunks (all eight requests done after 10.7 s, the replica then frozen with nothing
+# in flight).
 N_PINNED = 6
+PINNED_TOKENS = 256
+# Rounds of streams until the freeze falls inside one (``frozen_mid_stream``).
+STREAM_ROUNDS = 5
 RESTART_TIMEOUT_S = 240.0
 BURST_TOKENS = 1024
 
@@ -258,9 +269,7 @@ class Result:
     done_at: float = field(default_factory=time.monotonic)
 
 
-async def long_stream(
-    client: AsyncOpenAI, tag: str, started: asyncio.Event, max_tokens: int = LONG_TOKENS
-) -> StreamOutcome:
+async def long_stream(client: AsyncOpenAI, tag: str, max_tokens: int = LONG_TOKENS) -> StreamOutcome:
     """A long streamed chat; an error event from the gateway ends it as ``error``."""
     async with client.chat.completions.with_streaming_response.create(
         model=MODEL,
@@ -280,7 +289,6 @@ async def long_stream(
                 chunks += len(chunk.choices)
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
-                started.set()
                 # Let the other tasks run between chunks: a stream that fell behind would
                 # otherwise parse its whole buffer without yielding to the event loop.
                 await asyncio.sleep(0)
@@ -315,7 +323,7 @@ async def served_whole_before_freeze(fleet: E2EGateway, tag: str, target: str, s
     the sockets and reach this test's busy event loop seconds later (seen: 11.7 s, while the
     launcher's new vLLM took a core to start)."""
     line = await fleet.access_line(request_id(tag), timeout_s=10.0)
-    print(f"[e2e] {tag}: whole from {target}, read {seen_after_s:.2f} s after the freeze: {line}", flush=True)
+    print(f"[e2e] {tag}: whole from {target}, read {seen_after_s:.2f} s after the freeze", flush=True)
     assert line.get("status") == 200 and line.get("replica") == target, line
     assert line.get("attempts") == 1, f"{tag} was retried yet came back under {target}'s name: {line}"
     assert line.get("completion_tokens") == LONG_TOKENS, line
@@ -327,21 +335,82 @@ async def finished_at(call: Awaitable[T]) -> tuple[float, T]:
     return time.monotonic(), result
 
 
+def start_freezer(fleet: E2EGateway, target: str, pid: int, routed: float, timeout_s: float) -> subprocess.Popen[str]:
+    """``tests/e2e/freezer.py`` on ``target``'s API server (``pid``), once ``routed`` routing decisions were made."""
+    args = [fleet.url, ADMIN_KEY, target, str(pid), str(routed), str(timeout_s)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.e2e.freezer", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def frozen_mid_stream(
+    fleet: E2EGateway, client: AsyncOpenAI, target: str, pid: int
+) -> tuple[list[str], list[asyncio.Task[tuple[float, StreamOutcome]]], float]:
+    """Long streams on ``target`` (the only pick), its API server (``pid``) frozen the moment
+    the gateway has each of them past its first token; (their tags, their tasks, the
+    monotonic time of the freeze).
+
+    The freeze comes from a process of its own (``tests/e2e/freezer.py``): the tiny model may
+    finish 4000 tokens within the seconds this process can take to see the first chunks, or a
+    control call to go through, on a busy machine (seen: 7.7 s before the first chunk, 16 s
+    for one POST, 11 s before a worker thread ran). A stopped server sends nothing more, so
+    what is in flight then is what the kill cuts; the kill comes well within the health
+    probes' 15 s timeout, so the gateway sees what it would of a plain SIGKILL.
+
+    On a loaded machine vLLM's API server was seen to send a whole stream at once (its first
+    token 11.3 s after the request, the rest within 50 ms): the engine had generated it all
+    meanwhile, and no freeze could fall inside it. A round in which vLLM counted none of the
+    streams as running when it was frozen is thawed and run again, up to ``STREAM_ROUNDS``
+    times.
+    """
+    for round_ in range(1, STREAM_ROUNDS + 1):
+        tags = [f"stream {round_}.{i}" for i in range(N_STREAMS)]
+        routed = await fleet.counter(ROUTED)
+        freezer = start_freezer(fleet, target, pid, routed + N_STREAMS, bounded(60))
+        streams = [asyncio.create_task(finished_at(long_stream(client, tag))) for tag in tags]
+        try:
+            out, err = await asyncio.to_thread(freezer.communicate, timeout=bounded(60) + 10)
+            assert freezer.returncode == 0, f"{target} was not frozen: {err.strip()}"
+            frozen, running = out.split()
+            print(f"[e2e] round {round_}: {target} {err.strip()}, running {running} of {N_STREAMS}", flush=True)
+            if int(running):
+                return tags, streams, float(frozen)
+            os.kill(pid, signal.SIGCONT)
+            await asyncio.gather(*streams)
+        except BaseException:
+            freezer.kill()
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            raise
+    pytest.fail(f"in {STREAM_ROUNDS} rounds every stream on {target} had ended before its replica was frozen")
+
+
 def undrain_and_kill(
     fleet: E2EGateway,
     target: str,
     other: str,
     pid: int,
+    decisions: float,
     start_load: Callable[[], object],
     results: list[Result],
-) -> tuple[float, float, dict[str, Any]]:
-    """With ``pid`` frozen: undrain ``other``, start the steady load, and SIGKILL ``pid`` once a
-    steady request was answered (at most 1 s later).
+) -> tuple[float, float]:
+    """With ``pid`` frozen: once the gateway has routed ``decisions`` requests in all (the
+    requests sent to the frozen ``target``: ``other`` is drained), undrain ``other``, start the
+    steady load, and SIGKILL ``pid`` once a steady request was answered (at most 1 s later).
 
-    Returns (monotonic and wall-clock time of the kill, the target's snapshot before it).
+    Returns the monotonic and wall-clock time of the kill.
     """
     print(f"[e2e] kill thread running at {time.monotonic():.2f}", flush=True)
-    snap = fleet.fleet_sync()
+    start, routed = time.monotonic(), 0.0
+    while (routed := fleet.counter_sync(ROUTED)) < decisions:
+        assert time.monotonic() - start < bounded(30), f"{routed:g} of {decisions:g} requests routed within 30 s"
+        time.sleep(0.05)
+    print(f"[e2e] every request to {target} routed after {time.monotonic() - start:.2f} s", flush=True)
     fleet.admin_post(other, "undrain")
     back, _ = fleet.wait_fleet_sync(lambda s: s[other]["state"] == "healthy", 30, f"{other} back in rotation")
     start_load()
@@ -351,17 +420,7 @@ def undrain_and_kill(
     killed_at, killed_wall = time.monotonic(), time.time()
     os.kill(pid, signal.SIGKILL)
     print(f"[e2e] {other} back after {back:.2f} s; killed at {killed_at:.2f} ({len(results)} steady done)", flush=True)
-    return killed_at, killed_wall, snap[target]
-
-
-async def wait_started(events: list[asyncio.Event], tasks: list[asyncio.Task[Any]], timeout_s: float) -> None:
-    """Until every stream had its first chunk; fails at once if one of ``tasks`` already ended."""
-    deadline = time.monotonic() + bounded(timeout_s)
-    while not all(e.is_set() for e in events):
-        ended = [t for t in tasks if t.done()]
-        assert not ended, f"a long request ended before the kill: {ended[0].exception() or ended[0].result()!r}"
-        assert time.monotonic() < deadline, f"the streams had no first chunk within {timeout_s:g} s"
-        await asyncio.sleep(0.05)
+    return killed_at, killed_wall
 
 
 def error_code(err: openai.APIError) -> Any:
@@ -379,38 +438,35 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
     retries_before = await fleet.counter("fleetgate_retries_total")
     stream_errors_before = await fleet.counter("fleetgate_stream_errors_total")
 
-    # 1. Long streams and long non-streaming requests on the target: with the other
-    #    replica drained it is the only one the gateway may pick.
+    # 1. Long streams on the target, frozen while they run: with the other replica drained
+    #    it is the only one the gateway may pick.
     await fleet.drain(other)
-    started = [asyncio.Event() for _ in range(N_STREAMS)]
-    streams = [
-        asyncio.create_task(finished_at(long_stream(client, f"stream {i}", started[i]))) for i in range(N_STREAMS)
-    ]
-    pinned = [asyncio.create_task(finished_at(chat(client, f"pinned {i}", LONG_TOKENS))) for i in range(N_PINNED)]
+    streams: list[asyncio.Task[tuple[float, StreamOutcome]]] = []
+    pinned: list[asyncio.Task[tuple[float, tuple[str, ChatCompletion]]]] = []
     go = asyncio.Event()
     results: list[Result] = []
     workers = [asyncio.create_task(steady_load(client, w, go, results)) for w in range(4)]
     try:
-        # A long non-streaming request may already have run out (checked below).
-        await wait_started(started, streams, 60)
-        # Freeze the target's API server at once, from this coroutine: the tiny model may
-        # finish 4000 tokens within the seconds the control calls below can take on a busy
-        # machine (seen: 16 s for one POST, 11 s before a worker thread ran). A stopped
-        # server answers nothing more, so what is in flight now is what the kill cuts; it
-        # stays short of the health probes' 15 s timeout, so the gateway sees what it
-        # would of a plain SIGKILL.
-        os.kill(old_pid, signal.SIGSTOP)
-        frozen_at = time.monotonic()
-        # When the replica was frozen, and (below) when the worker thread ran.
-        print(f"[e2e] streams started, {target} frozen at {frozen_at:.2f}", flush=True)
-        # 2. Undrain the other replica, start the steady load, SIGKILL the target's API server,
-        #    all from a worker thread: the kill must not wait for turns of this event loop
-        #    (busy with the streams).
+        stream_tags, streams, frozen_at = await frozen_mid_stream(fleet, client, target, old_pid)
+        # 2. Non-streaming requests to the frozen target (still the only pick): sent, never
+        #    answered. Then undrain the other replica, start the steady load, SIGKILL the
+        #    target's API server, all from a worker thread: the kill must not wait for turns
+        #    of this event loop (busy with what the streams had buffered).
+        routed = await fleet.counter(ROUTED)
+        pinned += [
+            asyncio.create_task(finished_at(chat(client, f"pinned {i}", PINNED_TOKENS))) for i in range(N_PINNED)
+        ]
         loop = asyncio.get_running_loop()
-        killed_at, killed_wall, before = await asyncio.to_thread(
-            undrain_and_kill, fleet, target, other, old_pid, lambda: loop.call_soon_threadsafe(go.set), results
+        killed_at, killed_wall = await asyncio.to_thread(
+            undrain_and_kill,
+            fleet,
+            target,
+            other,
+            old_pid,
+            routed + N_PINNED,
+            lambda: loop.call_soon_threadsafe(go.set),
+            results,
         )
-        print(f"[e2e] {target} before the kill: {before['outstanding_requests']} in flight", flush=True)
         out_s, _ = await fleet.wait_fleet(
             lambda s: s[target]["state"] != "healthy" or s[target]["pid"] != old_pid, 30, f"{target} out of rotation"
         )
@@ -430,39 +486,37 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
 
     by_replica = {rid: sum(r.replica == rid for r in results) for rid in (target, other)}
     print(f"[e2e] steady load: {len(results)} requests, by replica {by_replica}", flush=True)
+    # What the gateway saw of each long request (queue wait, first token, attempts), should
+    # an assertion below fail.
+    for tag in [*stream_tags, *(f"pinned {i}" for i in range(N_PINNED))]:
+        with contextlib.suppress(AssertionError):
+            print(f"[e2e] {tag}: {await fleet.access_line(request_id(tag), timeout_s=5.0)}", flush=True)
     failures = [r for r in results if not r.ok]
     assert not failures, f"{len(failures)} non-streaming requests failed during the kill: {failures[:5]}"
     after_kill = sum(killed_at < r.done_at < stopped_at for r in results)
     assert after_kill >= 4, f"too little steady load to show anything: {after_kill} requests after the kill"
 
-    # Each long request either ran out on the target before the freeze (a fast machine gets
-    # through 4000 tokens in a few seconds) or was retried on the survivor; at least half
-    # must have been in flight, or the test showed nothing.
-    moved = 0
+    # Every request the frozen replica held was retried on the survivor: its first attempt
+    # went to the target (the only pick when it was sent), its last to the other.
     for i, outcome in enumerate(retried):
         assert not isinstance(outcome, BaseException), f"a request in flight on the killed replica failed: {outcome!r}"
-        done_at, (replica, reply) = outcome
-        assert reply.usage is not None and reply.usage.completion_tokens == LONG_TOKENS
-        if replica == target:
-            await served_whole_before_freeze(fleet, f"pinned {i}", target, done_at - frozen_at)
-            continue
+        _, (replica, reply) = outcome
         assert replica == other, f"expected a retry on {other}, got {replica!r}"
-        moved += 1
-    print(f"[e2e] long requests retried on {other}: {moved} of {N_PINNED}", flush=True)
-    assert moved >= N_PINNED // 2, f"only {moved} of {N_PINNED} long requests were still running at the kill"
+        assert reply.usage is not None and reply.usage.completion_tokens == PINNED_TOKENS
+        line = await fleet.access_line(request_id(f"pinned {i}"), timeout_s=10.0)
+        assert line.get("attempts", 0) >= 2, f"pinned {i} was not retried: {line}"
     retries = await fleet.counter("fleetgate_retries_total") - retries_before
-    assert retries >= moved, f"the gateway counted {retries} retries; {moved} requests were retried"
+    assert retries >= N_PINNED, f"the gateway counted {retries} retries; {N_PINNED} requests were retried"
 
     cut = 0
-    for i, ended in enumerate(outcomes):
+    for tag, ended in zip(stream_tags, outcomes, strict=True):
         assert not isinstance(ended, BaseException), f"a stream failed outside the SSE error path: {ended!r}"
         done_at, o = ended
         print(f"[e2e] stream on {o.replica}: {o.chunks} chunks, then {o.error!r}", flush=True)
         assert o.replica == target
-        if o.error is None:
-            # Ran out before the freeze, like a long request above.
+        if o.error is None:  # ran out before the freeze
             assert o.tokens == LONG_TOKENS
-            await served_whole_before_freeze(fleet, f"stream {i}", target, done_at - frozen_at)
+            await served_whole_before_freeze(fleet, tag, target, done_at - frozen_at)
             continue
         assert not isinstance(o.error, openai.APIConnectionError), "the stream was cut without an error event"
         assert error_code(o.error) == "upstream_stream_error", o.error.body
@@ -496,7 +550,7 @@ async def test_sigkilled_replica_under_load(vllm_fleet: E2EGateway, client: Asyn
         replica, reply = await chat(client, "after restart", 32)
         assert replica == target
         assert reply.usage is not None and reply.usage.completion_tokens == 32
-        again = await long_stream(client, "stream after restart", asyncio.Event(), max_tokens=64)
+        again = await long_stream(client, "stream after restart", max_tokens=64)
         assert again.replica == target and again.error is None and again.tokens == 64, again
     finally:
         await fleet.undrain(other)
