@@ -191,6 +191,8 @@ def test_claims_charge_the_uncached_prompt_and_free_prefill_room_at_the_first_to
     assert first(set()) is r
     claim = first.claim(r, streamed=True)
     assert (r.prefill_requests, r.prefill_tokens, r.outstanding_tokens) == (1, 1000, 1010)  # nothing cached yet
+    shown = r.snapshot(0.0)  # what /admin/fleet shows operators
+    assert (shown["prefill_requests"], shown["prefill_tokens"]) == (1, 1000)
     claim.prefilled()
     assert (r.prefill_requests, r.prefill_tokens, r.outstanding_tokens) == (0, 0, 10)
     claim.release()
