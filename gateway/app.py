@@ -82,13 +82,20 @@ class Gateway:
         self.clock = clock
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(access_stream, enabled=settings.server.access_log)
+        self.proxy = Proxy(settings.upstream, self.metrics, clock)
         try:
-            self.fleet = Fleet(settings.models, settings.health, restart=settings.restart, log_dir=log_dir, clock=clock)
+            self.fleet = Fleet(
+                settings.models,
+                settings.health,
+                restart=settings.restart,
+                log_dir=log_dir,
+                clock=clock,
+                on_down=self.proxy.abandon,
+            )
         except CredentialError as exc:
             raise ConfigError(str(exc)) from None
         self.metrics.registry.register(FleetCollector(self.fleet.all, clock, lambda: self.fleet.by_model))
         self.metrics.registry.register(QuotaCollector(lambda: self.tenants))
-        self.proxy = Proxy(settings.upstream, self.metrics, clock)
         try:
             redis_security = settings.redis.resolve(os.environ)
         except ValueError as exc:  # the password's variable or file: only known at start

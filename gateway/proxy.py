@@ -14,13 +14,16 @@ first token (or the whole response when not streaming, bounded by ``request_time
 ``chunk_gap_timeout_s`` between two chunks of a stream. While a streaming client waits for
 its first token, an SSE comment is sent every ``keepalive_interval_s``. A deadline the client
 set (``x-fleetgate-timeout-ms``) cuts the attempt in flight, stops further attempts, and
-ends a stream already under way with a ``deadline_exceeded`` error event.
+ends a stream already under way with a ``deadline_exceeded`` error event. When health
+checks take a replica out of rotation, the requests still waiting on it for an answer are
+retried elsewhere at once (``Proxy.abandon``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -36,11 +39,20 @@ from gateway.metrics import GatewayMetrics
 from gateway.progress_timeout import ProgressTimeout
 from gateway.settings import UpstreamSettings
 from gateway.sse import SseError, SseScanner, error_event
-from gateway.upstream import ConnectTimeout, ResponseTooLarge, UpstreamClient, UpstreamError, UpstreamResponse
+from gateway.upstream import (
+    ConnectTimeout,
+    ReplicaDown,
+    ResponseTooLarge,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamResponse,
+)
 from replicas.replica import Claim, Replica
 from routing.router import EXHAUSTED, NO_REPLICA
 
 KEEPALIVE = b": keep-alive\n\n"
+
+log = logging.getLogger("fleetgate.proxy")
 
 T = TypeVar("T")
 
@@ -79,6 +91,18 @@ class Proxy:
         if self._client is None:
             raise RuntimeError("Proxy used outside its 'async with' block")
         return self._client
+
+    def abandon(self, replica: Replica) -> None:
+        """Health checks took ``replica`` out of rotation: the requests waiting on it for an
+        answer (a whole one, or a stream's first chunk) are failed now and retried on
+        another replica, instead of waiting out ``request_timeout_s`` or
+        ``first_byte_timeout_s`` on a replica that stopped answering. Streams already under
+        way are left to the chunk-gap timeout."""
+        if self._client is None:
+            return
+        failed = self._client.abandon_waiting(replica.base_url, "health checks took the replica out of rotation")
+        if failed:
+            log.warning("requests moved off a replica gone down", extra={"replica": replica.id, "requests": failed})
 
     # -- shared by both paths -------------------------------------------------------------
 
@@ -437,6 +461,8 @@ def _attempt_failed(replica: Replica, exc: TimeoutError | UpstreamError, timed_o
         return UpstreamFailure("timeout", f"{replica.id} {timed_out}")
     if isinstance(exc, ResponseTooLarge):
         return UpstreamFailure("too_large", f"{replica.id}: {exc}")
+    if isinstance(exc, ReplicaDown):
+        return UpstreamFailure("replica_down", f"{replica.id}: {exc}")
     return UpstreamFailure("connect", f"{replica.id}: {exc}")
 
 

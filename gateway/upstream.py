@@ -17,7 +17,9 @@ chunks arrive.
 - A stream's reader pauses the socket when unread data piles up (``_HIGH_WATER``), so a
   slow client slows the replica's connection instead of filling memory.
 - Errors are ``UpstreamError`` (connection refused, reset, closed early, bad HTTP; its
-  ``ResponseTooLarge``: a body read whole past the caller's bound) or ``TimeoutError``.
+  ``ResponseTooLarge``: a body read whole past the caller's bound; its ``ReplicaDown``: an
+  exchange still waiting for its answer when the replica was declared down) or
+  ``TimeoutError``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ class UpstreamError(Exception):
 
 class ResponseTooLarge(UpstreamError):
     """A body to be read whole grew past the caller's bound (``fetch(max_bytes=...)``)."""
+
+
+class ReplicaDown(UpstreamError):
+    """The exchange was abandoned because health checks took its replica out of rotation
+    (``UpstreamClient.abandon_waiting``): nothing of the answer had arrived, so another
+    replica can be asked at once instead of waiting out the timeout."""
 
 
 class ConnectTimeout(TimeoutError):
@@ -190,6 +198,7 @@ class UpstreamResponse:
         "_paused",
         "_size",
         "_waiter",
+        "body_seen",
         "complete",
         "connection",
         "content_type",
@@ -208,6 +217,8 @@ class UpstreamResponse:
         self.connection: _Connection | None = None
         self.complete = False
         self.keep_alive = False
+        # Whether any of the body arrived (a stream's first chunk, a whole answer's bytes).
+        self.body_seen = False
         # A list, not a deque: the reader takes every chunk at once, and an empty deque
         # already holds a 64-slot block (528 bytes) for each open stream.
         self._chunks: list[bytes] = []
@@ -219,6 +230,7 @@ class UpstreamResponse:
     # -- fed by the connection ----------------------------------------------------------------
 
     def feed(self, chunk: bytes) -> None:
+        self.body_seen = True
         self._chunks.append(chunk)
         self._size += len(chunk)
         if self._size > _HIGH_WATER and not self._paused and self.connection is not None:
@@ -416,6 +428,9 @@ class UpstreamClient:
             connection.send(response, head, body)
             try:
                 await response.headers_ready
+            except ReplicaDown:
+                response.close()
+                raise
             except UpstreamError:
                 stale = reused and not connection.received_any
                 response.close()
@@ -469,6 +484,25 @@ class UpstreamClient:
                 timer.cancel()
             if response is not None:
                 response.close()
+
+    def abandon_waiting(self, base_url: str, reason: str) -> int:
+        """Fail every exchange with ``base_url``'s origin that has none of its body yet, with
+        ``ReplicaDown(reason)``, and close their connections and the idle ones; the number
+        failed. Exchanges whose body is arriving are left alone: a stream under way belongs
+        to its client, and the chunk-gap timeout judges it."""
+        origin, _ = self._target(base_url)
+        for connection in self._idle.pop(origin, []):
+            connection.close()
+        failed = 0
+        for connection in [c for c in self._active if c.origin == origin]:
+            response = connection.response
+            if response is None or response.body_seen or response.complete:
+                continue
+            connection.response = None  # its connection_lost must not finish or fail it again
+            response.fail(ReplicaDown(reason))
+            connection.close()
+            failed += 1
+        return failed
 
     async def close(self) -> None:
         self._closed = True

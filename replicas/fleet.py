@@ -94,8 +94,10 @@ class Fleet:
         restart: RestartSettings,
         clock: Callable[[], float] = time.monotonic,
         environ: Mapping[str, str] | None = None,
+        on_down: Callable[[Replica], None] | None = None,
     ) -> None:
         self._health_settings = health
+        self._on_down = on_down
         self._environ = os.environ if environ is None else environ
         self._log_dir = log_dir
         self._policy = restart
@@ -222,6 +224,7 @@ class Fleet:
             failures_to_down=hs.failures_to_down,
             progress_window_s=hs.progress_window_s,
             clock=self.clock,
+            on_down=self._on_down,
         )
         for proc in self.processes:
             proc.start()

@@ -116,7 +116,8 @@ class HealthChecker:
 
     The probe (``/health``, or ``/v1/models`` for upstreams without one) decides health;
     ``/metrics`` is optional and only feeds the load gauges. Replicas probed ``none`` are
-    left to the passive breaker.
+    left to the passive breaker. ``on_down`` is told of each replica the probes take down
+    (the proxy moves the requests waiting on it).
     """
 
     def __init__(
@@ -128,8 +129,10 @@ class HealthChecker:
         failures_to_down: int,
         progress_window_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        on_down: Callable[[Replica], None] | None = None,
     ) -> None:
         self._session = session
+        self._on_down = on_down
         self._interval = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._failures_to_down = failures_to_down
@@ -191,6 +194,8 @@ class HealthChecker:
         if replica.state is ReplicaState.HEALTHY and replica.consecutive_probe_failures >= self._failures_to_down:
             log.warning("replica down: probes failing", extra={"replica": replica.id, "probe": outcome.value})
             replica.state = ReplicaState.DOWN
+            if self._on_down is not None:
+                self._on_down(replica)
 
     async def run(self, replicas: Callable[[], Iterable[Replica]]) -> None:
         """Probe all replicas (the current set, each round) concurrently, until cancelled."""

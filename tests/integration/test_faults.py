@@ -386,6 +386,43 @@ def test_a_hung_replica_is_timed_out_retried_and_back_once_it_answers(tmp_path: 
             assert error_lines(gw) == []
 
 
+def test_requests_waiting_on_a_replica_the_probes_take_down_move_at_once(tmp_path: Path) -> None:
+    """A replica stopped (SIGSTOP) while requests wait on it for their answer: once its
+    probes take it out of rotation, those requests (whole answers, and streams before their
+    first token) are sent to the other replica, in seconds rather than after
+    ``request_timeout_s`` or ``first_byte_timeout_s``, and the client sees a plain 200."""
+    timeout_s = 60.0
+    with sim_process("--ttft-ms", "2500") as a, sim_process("--ttft-ms", "2500") as b:
+        config = external(a, b, request_timeout_s=timeout_s, first_byte_timeout_s=timeout_s)
+        config["health"] = {"interval_s": 0.2, "timeout_s": 0.5, "failures_to_down": 2, "progress_window_s": 1.0}
+        config["routing"] = {"policy": "round_robin"}
+        with gateway_process(config, tmp_path) as gw:
+
+            def ask(i: int) -> tuple[int, str, float, bool]:
+                started = time.monotonic()
+                body = chat(3, stream=i % 3 == 0)
+                reply = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=AUTH, timeout=2 * timeout_s)
+                done = reply.status_code == 200 and (not body["stream"] or reply.text.endswith("data: [DONE]\n\n"))
+                return reply.status_code, reply.headers.get("x-fleetgate-replica", ""), time.monotonic() - started, done
+
+            with ThreadPoolExecutor(6) as pool:
+                asked = [pool.submit(ask, i) for i in range(6)]
+                wait_for(lambda: running(a.url) >= 2, 10, "no request reached the replica to be stopped")
+                os.kill(a.pid, signal.SIGSTOP)
+                try:
+                    replies = [r.result() for r in asked]
+                finally:
+                    os.kill(a.pid, signal.SIGCONT)
+            assert all(status == 200 and done for status, _, _, done in replies), replies
+            assert {replica for _, replica, _, _ in replies} == {"m-1"}, replies
+            assert max(took for _, _, took, _ in replies) < 20, replies
+            moved = [line for line in access_lines(gw) if line["attempts"] == 2]
+            assert len(moved) >= 2 and metric(gw, "fleetgate_upstream_errors_total", kind="replica_down") == len(moved)
+            assert metric(gw, "fleetgate_upstream_errors_total", kind="timeout") == 0
+            assert "requests moved off a replica gone down" in gw.stderr_path.read_text()
+            assert error_lines(gw) == []
+
+
 def test_a_replica_that_takes_no_connection_is_told_from_one_that_does_not_answer(tmp_path: Path) -> None:
     """A host that is gone (connect() hangs) and a replica that took the connection but
     answers nothing (SIGSTOP) both end in a 504, each with its own code and failure kind, so

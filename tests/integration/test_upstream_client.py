@@ -11,7 +11,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from gateway.upstream import ConnectTimeout, ResponseTooLarge, UpstreamClient, UpstreamError
+from gateway.upstream import ConnectTimeout, ReplicaDown, ResponseTooLarge, UpstreamClient, UpstreamError
 from tests.integration.harness import serve_app, unreachable_port
 
 
@@ -261,6 +261,73 @@ async def test_timeout_bounds_the_whole_exchange_and_drops_the_connection() -> N
         await asyncio.sleep(0.05)
         assert seen[0].at_eof(), "the client should have closed the connection"
         assert not any(client._idle.values()), "a half-read connection must not go back to the pool"
+        await client.close()
+
+
+class Held:
+    """An aiohttp app whose answers wait for ``go``: a whole answer, a stream before its
+    first chunk, and a stream after it."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.all_in = asyncio.Event()
+        self.hits: list[str] = []
+        self.app = web.Application()
+        self.app.router.add_post("/echo", self.echo)
+        self.app.router.add_post("/whole", self.whole)
+        self.app.router.add_post("/unstarted", self.stream)
+        self.app.router.add_post("/started", self.stream)
+
+    async def echo(self, request: web.Request) -> web.Response:
+        return web.Response(body=await request.read())
+
+    def arrived(self, request: web.Request) -> None:
+        self.hits.append(request.path)
+        if len(self.hits) == 3:
+            self.all_in.set()
+
+    async def whole(self, request: web.Request) -> web.Response:
+        self.arrived(request)
+        await self.go.wait()
+        return web.Response(body=b"late")
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        self.arrived(request)
+        response = web.StreamResponse()
+        await response.prepare(request)
+        if request.path == "/started":
+            await response.write(b"data: 0\n\n")
+        await self.go.wait()
+        await response.write(b"data: 1\n\n")
+        await response.write_eof()
+        return response
+
+
+async def test_abandoning_a_replica_fails_what_waits_on_it_and_leaves_streams_under_way() -> None:
+    server = Held()
+    async with serve_app(server.app) as url:
+        client = UpstreamClient(connect_timeout_s=1)
+        assert (await client.fetch("POST", url + "/echo", b"x"))[2] == b"x"  # one idle connection
+        whole = asyncio.create_task(client.fetch("POST", url + "/whole", b"{}", timeout_s=30))
+        unstarted = await client.open("POST", url + "/unstarted", b"{}")
+        started = await client.open("POST", url + "/started", b"{}")
+        assert await started.readany() == b"data: 0\n\n"
+        waiting = asyncio.create_task(unstarted.readany())
+        await asyncio.wait_for(server.all_in.wait(), 5)
+
+        assert client.abandon_waiting(url, "taken out of rotation") == 2
+        with pytest.raises(ReplicaDown, match="taken out of rotation"):
+            await asyncio.wait_for(whole, 1)
+        with pytest.raises(ReplicaDown):
+            await asyncio.wait_for(waiting, 1)
+        assert not any(client._idle.values()), "idle connections to the replica are closed too"
+        assert server.hits.count("/whole") == 1, "an abandoned request must not be sent again"
+
+        server.go.set()
+        assert await asyncio.wait_for(started.read(), 5) == b"data: 1\n\n"
+        started.release()
+        unstarted.close()
+        assert (await client.fetch("POST", url + "/echo", b"y"))[2] == b"y", "the replica can be asked again"
         await client.close()
 
 

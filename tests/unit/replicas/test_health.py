@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from common.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from replicas.health import HealthChecker, Probe, counts_against, parse_vllm_metrics
 from replicas.replica import GAUGE_KV_CAPACITY_TOKENS, Replica, ReplicaState
@@ -41,13 +43,14 @@ def test_the_kv_cache_size_comes_from_the_cache_config_info_labels() -> None:
     assert parse_vllm_metrics(text) == {GAUGE_KV_CAPACITY_TOKENS: 210 * 128}
 
 
-def make() -> tuple[HealthChecker, Replica]:
+def make(on_down: Callable[[Replica], None] | None = None) -> tuple[HealthChecker, Replica]:
     checker = HealthChecker(
         None,  # type: ignore[arg-type]
         interval_s=1.0,
         timeout_s=1.0,
         failures_to_down=3,
         progress_window_s=10.0,
+        on_down=on_down,
     )
     return checker, Replica("r", "http://r", "m", "t", "m", True, CircuitBreaker(BreakerConfig(3, 5.0)))
 
@@ -71,6 +74,19 @@ def test_down_after_consecutive_failures_and_back() -> None:
     assert r.probe_failures == 3
     checker._apply(r, Probe.OK, 0.0)
     assert r.state is ReplicaState.HEALTHY
+
+
+def test_on_down_hears_of_each_fall_once() -> None:
+    fallen: list[str] = []
+    checker, r = make(lambda replica: fallen.append(replica.id))
+    checker._apply(r, Probe.OK, 0.0)
+    for _ in range(5):
+        checker._apply(r, Probe.TIMEOUT, 100.0)
+    assert r.state is ReplicaState.DOWN and fallen == ["r"]
+    checker._apply(r, Probe.OK, 101.0)
+    for _ in range(3):
+        checker._apply(r, Probe.FAILED, 102.0)
+    assert fallen == ["r", "r"]
 
 
 def test_draining_and_failed_are_left_alone() -> None:
