@@ -202,14 +202,6 @@ def confusion(prompts: Sequence[Prompt], idx: Sequence[int], scores: np.ndarray)
     return lines
 
 
-def group_rows(prompts: Sequence[Prompt], scores: np.ndarray, label: str) -> list[str]:
-    lines = []
-    for group in sorted({p.group for p in prompts if p.label == label}):
-        idx = [i for i, p in enumerate(prompts) if p.group == group]
-        lines.append(f"| {group} | {label} | {len(idx)} | {tiers_row(scores[idx])} |")
-    return lines
-
-
 @dataclass(frozen=True, slots=True)
 class HeldPair:
     """One hard and one easy group held out together: both scored by the one model (of each
@@ -236,7 +228,8 @@ def pairs_held_out(
     ``head``: the shipped embedding head, the prompts' vectors, the recipe, and which prompts
     the semantic cache embeds (for the mixed classifier); None: no embedding head.
     """
-    labelled = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    labelled = [i for i, p in enumerate(prompts) if p.scored]
+    trained = [i for i, p in enumerate(prompts) if p.trained]
     groups = {c: sorted({prompts[i].group for i in labelled if prompts[i].label == c}) for c in (HARD, EASY)}
     lengths = lengths_of(prompts)
     pairs = []
@@ -244,8 +237,13 @@ def pairs_held_out(
         hard = [i for i in labelled if prompts[i].group == hard_group]
         easy = [i for i in labelled if prompts[i].group == easy_group]
         held = hard + easy
-        rest = [i for i in labelled if prompts[i].group not in (hard_group, easy_group)]
-        ngram = fit_on(prompts, feats, rest).logits([feats[i] for i in held])
+        pair = (hard_group, easy_group)
+        rest = [
+            i
+            for i in trained
+            if prompts[i].group not in pair and (prompts[i].origin < 0 or prompts[prompts[i].origin].group not in pair)
+        ]
+        ngram = fit_on(prompts, feats, [i for i in rest if prompts[i].scored]).logits([feats[i] for i in held])
         scores = {"n-gram": scores_of(shipped.score, ngram)}
         static_head, inputs = static
         coef, bias = fit_static(inputs, prompts, rest)
@@ -413,7 +411,7 @@ def main() -> None:
     prompts = load()
     feats = [features(p.text) for p in prompts]
     shipped = default_model()
-    labelled = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    labelled = [i for i, p in enumerate(prompts) if p.scored]
     arena = [i for i in labelled if prompts[i].label == EASY or prompts[i].group.startswith("arena-hard/")]
     retrained = train_final(prompts, feats)
     fresh = LinearModel(retrained.weights, retrained.bias, shipped.scale, shipped.shift)
@@ -429,7 +427,7 @@ def main() -> None:
     static_inputs = StaticInputs.of(static, prompts)
     static_logits = {p: static_out_of_fold(static_inputs, prompts, p) for p in PROTOCOLS}
     scores["static head"] = {p: scores_of(static.score, static_logits[p]) for p in PROTOCOLS}
-    coef, bias = fit_static(static_inputs, prompts, labelled)
+    coef, bias = fit_static(static_inputs, prompts, [i for i, p in enumerate(prompts) if p.trained])
     middle["static head"] = scores_of(static.score, static_inputs.x @ coef + bias)
     if not args.no_embedding:
         head = default_head()
@@ -478,7 +476,9 @@ def main() -> None:
         "",
         f"{len(labelled)} labelled prompts ({sum(prompts[i].label == HARD for i in labelled)} hard, "
         f"{sum(prompts[i].label == EASY for i in labelled)} easy) and "
-        f"{sum(p.label == MIDDLE for p in prompts)} middle ones (never trained on). Scores are out of fold "
+        f"{sum(p.label == MIDDLE for p in prompts)} middle ones (never trained on); the heads also train on "
+        f"{sum(p.origin >= 0 for p in prompts)} humaneval tasks asked in words (`asked_in_words`, never scored, "
+        "held out with their task). Scores are out of fold "
         "(each prompt scored by a model trained without its fold) through the shipped calibrations; "
         f"the n-gram model's default boundaries come from its `{CALIBRATION_PROTOCOL}` folds, the embedding "
         f"head's from its `{HEAD_CALIBRATION_PROTOCOL}` folds ({HEAD_EASY_QUANTILE:.0%} of easy prompts below "
@@ -589,11 +589,11 @@ def main() -> None:
         "| --- | --- | ---: | " + " | ".join("---:" for _ in scores for _ in TIERS) + " |",
     ]
     for label in (HARD, EASY, MIDDLE):
-        for group in sorted({p.group for p in prompts if p.label == label}):
+        for group in sorted({p.group for p in prompts if p.label == label and p.origin < 0}):
             idx = [i for i, p in enumerate(prompts) if p.group == group]
             cells = [tiers_row((middle[name] if label == MIDDLE else scores[name]["sources"])[idx]) for name in scores]
             lines.append(f"| {group} | {label} | {len(idx)} | " + " | ".join(cells) + " |")
-    texts = [p.text for p in prompts]
+    texts = [p.text for p in prompts if p.origin < 0]
     load_average = os.getloadavg()[0]
     costs = [
         ("static head (`classify(body)`)", timing(texts, lambda i, body: classify(body))),
@@ -617,7 +617,7 @@ def main() -> None:
     costs.append(("keyword rule (old)", timing(texts, lambda i, body: keyword_score(body))))
     lines += [
         "",
-        f"## Cost per classification ({len(prompts)} prompts x {REPEATS} runs, Python {platform.python_version()}, "
+        f"## Cost per classification ({len(texts)} prompts x {REPEATS} runs, Python {platform.python_version()}, "
         "one core of a shared 2-core machine)",
         "",
         "Single calls on the whole request body; the static head and the n-gram model read the head and tail of a "

@@ -24,6 +24,14 @@ Each prompt carries a ``group``, the unit held out in the leave-one-source-out f
 source, except for alpaca-eval, a compilation of sets written by different people
 (self-instruct, OpenAssistant, Koala, Anthropic helpful-base: one group each), and
 arena-hard, whose coding and maths prompts are held out apart.
+
+Training also reads each humaneval task *asked in words* (``asked_in_words``): its
+docstring's description without the signature and the examples, as a person would ask for
+the same function. Hard prompts otherwise hold no coding ask in plain language when
+arena-hard's coding prompts are held out, only humaneval's code template, and the heads
+learnt the template. These derived prompts (``origin``: the index of the prompt they come
+from) are trained on, never scored: every figure is on the public prompts as they are, and a
+derived prompt is held out whenever its origin is.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import csv
 import json
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +63,18 @@ class Prompt:
     category: str
     label: str  # HARD, EASY or MIDDLE
     group: str  # what a leave-one-source-out fold holds out
+    # The index of the prompt this one was derived from (``asked_in_words``); -1: a public prompt.
+    origin: int = -1
+
+    @property
+    def trained(self) -> bool:
+        """Trained on: a hard or easy prompt, public or derived."""
+        return self.label in (HARD, EASY)
+
+    @property
+    def scored(self) -> bool:
+        """Measured: a hard or easy public prompt (derived ones are only trained on)."""
+        return self.label in (HARD, EASY) and self.origin < 0
 
 
 def data_dir() -> Path:
@@ -105,4 +126,26 @@ def load() -> list[Prompt]:
         questions = sorted({row["question1"].strip() for row in csv.DictReader(f) if row["question1"].strip()})
     for q in random.Random(QQP_SEED).sample(questions, QQP_SAMPLE):
         prompts.append(Prompt(q, "qqp", "question", EASY, "qqp"))
-    return prompts
+    return prompts + asked_in_words(prompts)
+
+
+ASKED_GROUP = "humaneval/asked"
+_DOCSTRING = re.compile(r'"""(.*?)(?:"""|$)|\'\'\'(.*?)(?:\'\'\'|$)', re.S)
+_EXAMPLES = re.compile(r">>>|\n\s*(?:for example|examples?)\b", re.I)
+
+
+def asked_in_words(prompts: list[Prompt]) -> list[Prompt]:
+    """Each humaneval task as a plain-language ask: its docstring up to the examples, on one
+    line (at least 20 characters). Hard, group ``ASKED_GROUP`` (weighed as a group of its own),
+    ``origin`` the task's index."""
+    derived = []
+    for i, p in enumerate(prompts):
+        if p.source != "humaneval":
+            continue
+        found = _DOCSTRING.search(p.text)
+        if found is None:
+            continue
+        words = " ".join(_EXAMPLES.split(found.group(1) or found.group(2))[0].split())
+        if len(words) >= 20:
+            derived.append(Prompt(words, p.source, "asked in words", HARD, ASKED_GROUP, origin=i))
+    return derived

@@ -104,7 +104,10 @@ class Fitted:
 
 
 def labelled(prompts: Sequence[Prompt]) -> list[Prompt]:
-    return [p for p in prompts if p.label in (HARD, EASY)]
+    """What the n-gram model trains on: the public hard and easy prompts (a task asked in
+    words shares its words with the task, a feature the vocabulary's two-groups rule would
+    let through)."""
+    return [p for p in prompts if p.scored]
 
 
 def fit(feats: Sequence[set[str]], y: Sequence[int], groups: Sequence[str]) -> Fitted:
@@ -154,7 +157,7 @@ def folds(prompts: Sequence[Prompt], protocol: str) -> list[list[int]]:
       people the model never read);
     - ``random``: ``RANDOM_FOLDS`` random folds (the optimistic reference).
     """
-    train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    train = [i for i, p in enumerate(prompts) if p.scored]
     if protocol == "sources":
         groups = sorted({prompts[i].group for i in train})
         return [[i for i in train if prompts[i].group == g] for g in groups]
@@ -191,20 +194,25 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
 def logits_out_of_fold(
     prompts: Sequence[Prompt], protocol: str, train_and_score: Callable[[list[int], list[int]], np.ndarray]
 ) -> np.ndarray:
-    """Each labelled prompt's logit from a model trained without its fold (NaN for the middle
-    kinds): ``train_and_score(rest, held)`` trains on ``rest`` and scores ``held``."""
-    train = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    """Each scored prompt's logit from a model trained without its fold (NaN for the middle
+    kinds and derived prompts): ``train_and_score(rest, held)`` trains on ``rest`` (derived
+    prompts whose origin is held out left out too) and scores ``held``."""
+    train = [i for i, p in enumerate(prompts) if p.trained]
     logits = np.full(len(prompts), np.nan)
     for held in folds(prompts, protocol):
         out = set(held)
-        logits[held] = train_and_score([i for i in train if i not in out], held)
+        logits[held] = train_and_score([i for i in train if i not in out and prompts[i].origin not in out], held)
     return logits
 
 
 def out_of_fold(prompts: Sequence[Prompt], feats: Sequence[set[str]], protocol: str) -> np.ndarray:
     """The n-gram model's ``logits_out_of_fold``."""
     return logits_out_of_fold(
-        prompts, protocol, lambda rest, held: fit_on(prompts, feats, rest).logits([feats[i] for i in held])
+        prompts,
+        protocol,
+        lambda rest, held: fit_on(prompts, feats, [i for i in rest if prompts[i].scored]).logits(
+            [feats[i] for i in held]
+        ),
     )
 
 
@@ -215,7 +223,7 @@ def calibration(
     hard_quantile: float = HARD_QUANTILE,
 ) -> tuple[float, float, float, float]:
     """(scale, shift, easy boundary logit, hard boundary logit) from out-of-source logits."""
-    idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    idx = [i for i, p in enumerate(prompts) if p.scored]
     y = [int(prompts[i].label == HARD) for i in idx]
     w = group_weights(y, [prompts[i].group for i in idx])
     x = logits[idx]
@@ -233,8 +241,8 @@ def calibration(
 
 
 def train_final(prompts: Sequence[Prompt], feats: Sequence[set[str]]) -> Fitted:
-    """The shipped model's weights: every hard and easy prompt."""
-    return fit_on(prompts, feats, [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)])
+    """The shipped model's weights: every public hard and easy prompt (``labelled``)."""
+    return fit_on(prompts, feats, [i for i, p in enumerate(prompts) if p.scored])
 
 
 def fit_on(prompts: Sequence[Prompt], feats: Sequence[set[str]], idx: Sequence[int]) -> Fitted:
@@ -363,8 +371,8 @@ def head_out_of_fold(
 def train_final_head(
     prompts: Sequence[Prompt], vectors: PromptVectors, recipe: HeadRecipe = HeadRecipe()
 ) -> FittedHead:
-    """The shipped head's weights: every hard and easy prompt."""
-    idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    """The shipped head's weights: every hard and easy prompt, derived ones included."""
+    idx = [i for i, p in enumerate(prompts) if p.trained]
     y = [int(prompts[i].label == HARD) for i in idx]
     groups = [prompts[i].group for i in idx]
     return fit_head(vectors.x[idx], lengths_of(prompts)[idx], vectors.per_token[idx], y, groups, recipe)
@@ -375,7 +383,7 @@ def train_head(prompts: Sequence[Prompt], feats: Sequence[set[str]], vectors: Pr
     ngram = out_of_fold(prompts, feats, HEAD_CALIBRATION_PROTOCOL) if HEAD_NGRAM_WEIGHT else np.zeros(len(prompts))
     logits = head_out_of_fold(prompts, vectors, ngram, HEAD_CALIBRATION_PROTOCOL)
     scale, shift, t_small, t_large = calibration(logits, prompts, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE)
-    idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    idx = [i for i, p in enumerate(prompts) if p.trained]
     final = train_final_head(prompts, vectors)
     info: dict[str, Any] = {
         "trained_on": dict(sorted(Counter(f"{prompts[i].group}:{prompts[i].label}" for i in idx).items())),

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.classifier_data import EASY, HARD, Prompt, load
+from bench.classifier_data import HARD, Prompt, load
 from routing.static_head import DEFAULT_STATIC, FORMAT, StaticHead, chars_per_piece, encode_table, window
 from scripts.train_classifier import (
     HEAD_CALIBRATION_PROTOCOL,
@@ -122,7 +122,7 @@ def train(prompts: Sequence[Prompt], tokens: list[str], table: np.ndarray, sourc
     inputs = StaticInputs.of(untrained(tokens, table), prompts)
     logits = out_of_fold(inputs, prompts, HEAD_CALIBRATION_PROTOCOL)
     scale, shift, t_small, t_large = calibration(logits, prompts, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE)
-    idx = [i for i, p in enumerate(prompts) if p.label in (HARD, EASY)]
+    idx = [i for i, p in enumerate(prompts) if p.trained]
     coef, bias = fit(inputs, prompts, idx)
     return {
         "format": FORMAT,

@@ -202,16 +202,41 @@ def test_out_of_source_quality_on_the_public_prompts() -> None:
 
     prompts = load()
     logits = out_of_fold(prompts, [features(p.text) for p in prompts], "easy-sources")
-    hard = [float(x) for x, p in zip(logits, prompts, strict=True) if p.label == HARD]
-    easy = [float(x) for x, p in zip(logits, prompts, strict=True) if p.label == EASY]
+    hard = [float(x) for x, p in zip(logits, prompts, strict=True) if p.scored and p.label == HARD]
+    easy = [float(x) for x, p in zip(logits, prompts, strict=True) if p.scored and p.label == EASY]
+    assert not np.isnan(hard + easy).any(), "every public hard and easy prompt is scored out of fold"
+    assert np.isnan(logits[[p.origin >= 0 for p in prompts]]).all(), "derived prompts are never scored"
     assert auc(hard[::4], easy[::2]) >= 0.9
+
+
+@pytest.mark.parametrize("protocol", ["sources", "easy-sources", "random"])
+def test_a_derived_prompt_is_held_out_with_its_origin_and_never_scored(protocol: str) -> None:
+    from bench.classifier_data import EASY, HARD, Prompt
+    from scripts.train_classifier import logits_out_of_fold
+
+    prompts = [Prompt(f"hard {i}", "t", "c", HARD, f"h{i % 2}") for i in range(10)]
+    prompts += [Prompt(f"easy {i}", "t", "c", EASY, f"e{i % 2}") for i in range(10)]
+    prompts += [Prompt(f"hard {i}, asked", "t", "asked", HARD, "h/asked", origin=i) for i in range(10)]
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def spy(rest: list[int], held: list[int]) -> np.ndarray:
+        seen.append((rest, held))
+        return np.zeros(len(held))
+
+    logits = logits_out_of_fold(prompts, protocol, spy)
+    assert sorted(i for _, held in seen for i in held) == list(range(20)), "each public prompt scored once"
+    assert np.isnan(logits[20:]).all()
+    for rest, held in seen:
+        # Trained on: the derived prompt of every hard prompt not held out, and no other.
+        assert {prompts[i].origin for i in rest if prompts[i].origin >= 0} == set(range(10)) - set(held)
 
 
 def test_pairs_held_out_train_on_neither_group_and_weigh_pairs_by_their_comparisons(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The benchmark's both-sides-held-out protocol: every (hard group, easy group) pair once,
-    each scored by a model that read neither group; pooled AUC weighs a pair by hard x easy."""
+    each scored by a model that read neither group (nor a prompt derived from one: the heads
+    train on derived prompts, the n-gram model does not); pooled AUC weighs a pair by hard x easy."""
     import bench.classifier as bench
     from bench.classifier_data import EASY, HARD, Prompt
     from scripts.train_classifier import Fitted
@@ -227,6 +252,7 @@ def test_pairs_held_out_train_on_neither_group_and_weigh_pairs_by_their_comparis
         for (label, group), items in texts.items()
         for text in items
     ]
+    prompts.append(Prompt("a lock-free queue, asked in words", "test", "asked", HARD, "h1/asked", origin=1))
     trained_on: list[set[str]] = []
 
     def spy(ps: list[Prompt], feats: list[set[str]], idx: list[int]) -> Fitted:
@@ -246,7 +272,8 @@ def test_pairs_held_out_train_on_neither_group_and_weigh_pairs_by_their_comparis
     inputs = bench.StaticInputs.of(static, prompts)
     pairs = bench.pairs_held_out(prompts, [features(p.text) for p in prompts], default_model(), (static, inputs), None)
     assert [(p.hard_group, p.easy_group) for p in pairs] == [("h1", "e1"), ("h1", "e2"), ("h2", "e1"), ("h2", "e2")]
-    assert trained_on == static_trained_on == [{"h2", "e2"}, {"h2", "e1"}, {"h1", "e2"}, {"h1", "e1"}]
+    assert trained_on == [{"h2", "e2"}, {"h2", "e1"}, {"h1", "e2"}, {"h1", "e1"}]
+    assert static_trained_on == [{"h2", "e2"}, {"h2", "e1"}, {"h1", "h1/asked", "e2"}, {"h1", "h1/asked", "e1"}]
 
     # Pooled figures, by hand: pair AUCs 1.0 (3 x 2 comparisons) and 0.5 (2 x 2) -> 0.8.
     perfect = bench.HeldPair("h1", "e1", [0, 1, 2], [5, 6], {"c": np.array([0.9, 0.8, 0.7, 0.1, 0.2])})
