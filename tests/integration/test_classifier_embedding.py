@@ -33,7 +33,9 @@ def config(**routing: Any) -> dict[str, Any]:
     ts[0]["cache"] = {"semantic": {"enabled": True}}  # API_KEY's tenant; OTHER_KEY's has no semantic cache
     return {
         "models": [
+            # A model per default tier: the classified tier is the one served, whatever the score.
             {"name": "small-m", "tier": "small", "replicas": [SIM]},
+            {"name": "medium-m", "tier": "medium", "replicas": [SIM]},
             {"name": "large-m", "tier": "large", "replicas": [SIM]},
         ],
         "tenants": ts,
