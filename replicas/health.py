@@ -82,12 +82,20 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+# How late past its deadline a probe's timeout may be seen and still count: later than
+# this, the gateway's own event loop was held up (a CPU-starved pod, a long callback), and
+# an answer may be sitting unread in the socket. No verdict then; the next probe decides.
+LATE_S = 0.5
+
+
 class Probe(StrEnum):
     """How one probe went."""
 
     OK = "ok"
     # No answer within the timeout: a dead replica, or one too busy to answer in time.
     TIMEOUT = "timeout"
+    # Timed out, but seen more than ``LATE_S`` after the deadline: the gateway was held up.
+    LATE = "late"
     # Refused, reset, or answered with an error status: the replica said no.
     FAILED = "failed"
 
@@ -95,14 +103,16 @@ class Probe(StrEnum):
 def counts_against(replica: Replica, outcome: Probe, now: float, progress_window_s: float) -> bool:
     """Whether a failed probe counts towards taking the replica down.
 
-    A timeout is held against a replica only when the passive signal agrees: a replica
-    with requests of ours in flight that sent bytes on them within ``progress_window_s``
-    is alive, however slowly its health endpoint answers (vLLM's API server answers
-    ``/health`` late while its engine is busy streaming). An explicit refusal always counts.
+    A timeout seen late (``Probe.LATE``) is never held against a replica: the gateway, not
+    the replica, was slow. Any other timeout is held against it only when the passive
+    signal agrees: a replica with requests of ours in flight that sent bytes on them within
+    ``progress_window_s`` is alive, however slowly its health endpoint answers (vLLM's API
+    server answers ``/health`` late while its engine is busy streaming). An explicit
+    refusal always counts.
     The same pairing of active and passive checks as Envoy's outlier detection:
     https://www.envoyproxy.io/docs/envoy/latest/intro/arch_overview/upstream/outlier
     """
-    if outcome is Probe.OK:
+    if outcome in (Probe.OK, Probe.LATE):
         return False
     if outcome is Probe.FAILED:
         return True
@@ -134,6 +144,7 @@ class HealthChecker:
         self._session = session
         self._on_down = on_down
         self._interval = interval_s
+        self._timeout_s = timeout_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._failures_to_down = failures_to_down
         self._progress_window = progress_window_s
@@ -145,12 +156,15 @@ class HealthChecker:
         if path is None:
             return True
         headers = replica.upstream_headers
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             async with self._session.get(replica.base_url + path, headers=headers, timeout=self._timeout) as resp:
                 outcome = Probe.OK if resp.status == 200 else Probe.FAILED
                 await resp.read()
         except TimeoutError:
-            outcome = Probe.TIMEOUT
+            late = loop.time() - started > self._timeout_s + LATE_S
+            outcome = Probe.LATE if late else Probe.TIMEOUT
         except aiohttp.ClientError:
             outcome = Probe.FAILED
         if outcome is Probe.OK and replica.scrape_metrics:
@@ -186,7 +200,9 @@ class HealthChecker:
                 log.info("replica healthy", extra={"replica": replica.id})
                 replica.state = ReplicaState.HEALTHY
             return
-        if replica.state is ReplicaState.HEALTHY and not counts_against(replica, outcome, now, self._progress_window):
+        if outcome is Probe.LATE or (
+            replica.state is ReplicaState.HEALTHY and not counts_against(replica, outcome, now, self._progress_window)
+        ):
             replica.excused_probe_timeouts += 1
             return
         replica.consecutive_probe_failures += 1

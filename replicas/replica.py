@@ -83,7 +83,8 @@ class Replica:
     upstream_headers: dict[str, str] = field(default_factory=dict, repr=False)
     # When bytes last arrived on one of this gateway's requests to the replica (gateway
     # clock): the passive sign of life that keeps probe timeouts of a busy replica from
-    # taking it down. Probe timeouts so excused are counted in ``excused_probe_timeouts``.
+    # taking it down. Probe timeouts so excused, and those seen late because the gateway's
+    # own loop was held up (``health.LATE_S``), are counted in ``excused_probe_timeouts``.
     last_progress_at: float | None = None
     excused_probe_timeouts: int = 0
 
