@@ -144,8 +144,9 @@ class HealthChecker:
         self._session = session
         self._on_down = on_down
         self._interval = interval_s
-        self._timeout_s = timeout_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # A timeout seen after this long is late (``Probe.LATE``).
+        self._late_after_s = timeout_s + LATE_S
         self._failures_to_down = failures_to_down
         self._progress_window = progress_window_s
         self._clock = clock
@@ -163,8 +164,7 @@ class HealthChecker:
                 outcome = Probe.OK if resp.status == 200 else Probe.FAILED
                 await resp.read()
         except TimeoutError:
-            late = loop.time() - started > self._timeout_s + LATE_S
-            outcome = Probe.LATE if late else Probe.TIMEOUT
+            outcome = Probe.LATE if loop.time() - started > self._late_after_s else Probe.TIMEOUT
         except aiohttp.ClientError:
             outcome = Probe.FAILED
         if outcome is Probe.OK and replica.scrape_metrics:
