@@ -20,7 +20,8 @@ Reported on the
 same prompts: AUC hard vs easy, of prompt length in characters and of the old keyword rule
 (``bench.classifier_keywords``); the tier confusion at the default boundaries; each held-out
 group's tiers. The middle kinds (never trained on) are scored by models trained on every
-labelled prompt. Candidates: the head's recipes (length, n-gram logit, characters per token)
+labelled prompt. Candidates: the head's recipes (length, n-gram logit, characters per token,
+the words' frequency)
 side by side. Cost:
 single ``classify`` calls on every prompt, ``REPEATS`` times, wall and thread CPU time
 (``timing``), with and without a vector, and the n-gram model's own call; and the embedding
@@ -61,11 +62,11 @@ from scripts.train_classifier import (
     HEAD_HARD_QUANTILE,
     HeadRecipe,
     PromptVectors,
+    TextInputs,
     embed,
     fit_head,
     fit_on,
     head_out_of_fold,
-    lengths_of,
     out_of_fold,
     train_final,
     train_final_head,
@@ -94,7 +95,8 @@ RECIPES = (
     ("embedding + log length, C = 1", HeadRecipe(length=True, ngram_weight=0.0, c=1.0)),
 )
 # Each recipe above without and with characters per token in the model's window (the shipped
-# head has it): the rows say "+ chars per token".
+# head has it): the rows say "+ chars per token". None of them weighs the words' frequency; the
+# shipped recipe, which does, is the last row.
 PER_TOKEN = (False, True)
 TIERS = [t.name for t in DEFAULT_TIERS]
 # What ``embedding: auto`` gives a tenant whose semantic cache is on.
@@ -231,7 +233,7 @@ def pairs_held_out(
     labelled = [i for i, p in enumerate(prompts) if p.scored]
     trained = [i for i, p in enumerate(prompts) if p.trained]
     groups = {c: sorted({prompts[i].group for i in labelled if prompts[i].label == c}) for c in (HARD, EASY)}
-    lengths = lengths_of(prompts)
+    text = TextInputs.of(prompts, head[1]) if head is not None else None
     pairs = []
     for hard_group, easy_group in itertools.product(groups[HARD], groups[EASY]):
         hard = [i for i in labelled if prompts[i].group == hard_group]
@@ -248,12 +250,11 @@ def pairs_held_out(
         static_head, inputs = static
         coef, bias = fit_static(inputs, prompts, rest)
         scores["static head"] = scores_of(static_head.score, inputs.x[held] @ coef + bias)
-        if head is not None:
+        if head is not None and text is not None:
             calibrated, vectors, recipe, cached = head
-            x, per_token = vectors.x, vectors.per_token
             y = [int(prompts[i].label == HARD) for i in rest]
-            fitted = fit_head(x[rest], lengths[rest], per_token[rest], y, [prompts[i].group for i in rest], recipe)
-            logits = fitted.logits(x[held], lengths[held], per_token[held], ngram)
+            fitted = fit_head(vectors.x, text, rest, y, [prompts[i].group for i in rest], recipe)
+            logits = fitted.logits(vectors.x, text, held, ngram)
             scores["embedding head"] = scores_of(calibrated.score, logits)
             scores[MIXED] = np.where(cached[held], scores["embedding head"], scores["static head"])
         pairs.append(HeldPair(hard_group, easy_group, hard, easy, scores))
@@ -440,7 +441,10 @@ def main() -> None:
                 f"the shipped head was trained on embedder {head.embedder}, this one is {vectors.identity}"
             )
         recipe = HeadRecipe(
-            length=head.length_weight != 0.0, ngram_weight=head.ngram_weight, chars_per_token=head.uses_window
+            length=head.length_weight != 0.0,
+            ngram_weight=head.ngram_weight,
+            chars_per_token=head.uses_window,
+            word_zipf=head.uses_words,
         )
         head_logits = {p: head_out_of_fold(prompts, vectors, ngram_logits[p], p, recipe) for p in PROTOCOLS}
         scores["embedding head"] = {p: scores_of(head.score, head_logits[p]) for p in PROTOCOLS}
@@ -448,22 +452,26 @@ def main() -> None:
         scores[MIXED] = {p: np.where(cached, scores["embedding head"][p], scores["static head"][p]) for p in PROTOCOLS}
         final = train_final_head(prompts, vectors, recipe)
         middle["embedding head"] = scores_of(
-            head.score, final.logits(x, lengths_of(prompts), vectors.per_token, ngram_all)
+            head.score, final.logits(x, TextInputs.of(prompts, vectors), range(len(prompts)), ngram_all)
         )
         middle[MIXED] = np.where(cached, middle["embedding head"], middle["static head"])
         hard = [i for i in labelled if prompts[i].label == HARD]
         easy = [i for i in labelled if prompts[i].label == EASY]
         arena_hard = [i for i in hard if prompts[i].group.startswith("arena-hard/")]
-        for per_token in PER_TOKEN:
-            for name, r in RECIPES:
-                row = [name + (" + chars per token" if per_token else "")]
-                r = replace(r, chars_per_token=per_token)
-                for p in PROTOCOLS:
-                    logits = head_out_of_fold(prompts, vectors, ngram_logits[p], p, r)
-                    row.append(f"{auc(logits[hard], logits[easy]):.3f}")
-                    if p == "sources":
-                        row.append(f"{auc(logits[arena_hard], logits[easy]):.3f}")
-                candidates.append("| " + " | ".join(row) + " |")
+        variants = [
+            (name + (" + chars per token" if per_token else ""), replace(r, chars_per_token=per_token, word_zipf=False))
+            for per_token in PER_TOKEN
+            for name, r in RECIPES
+        ]
+        variants.append(("shipped: embedding + log length + chars per token + word frequency", recipe))
+        for name, r in variants:
+            row = [name]
+            for p in PROTOCOLS:
+                logits = head_logits[p] if r == recipe else head_out_of_fold(prompts, vectors, ngram_logits[p], p, r)
+                row.append(f"{auc(logits[hard], logits[easy]):.3f}")
+                if p == "sources":
+                    row.append(f"{auc(logits[arena_hard], logits[easy]):.3f}")
+            candidates.append("| " + " | ".join(row) + " |")
         short = int(cached[labelled].sum())
     pairs = pairs_held_out(
         prompts, feats, shipped, (static, static_inputs), None if head is None else (head, vectors, recipe, cached)
@@ -686,9 +694,11 @@ def main() -> None:
             "added (its out-of-fold logit of the same folds, times a fixed weight); each also with characters per "
             "token of the model's window as an input (`+ chars per token`: log of the characters the window covers "
             "over its word pieces, as the embedder reports them); all at C = "
-            f"{HeadRecipe().c:g} unless the row says otherwise. The shipped recipe and its C were picked on these "
-            "same `sources` folds, and characters per token among several extra inputs tried on them "
-            '("Tried and not shipped"): a selection on the figures reported.',
+            f"{HeadRecipe().c:g} unless the row says otherwise, none with the words' frequency; the last row is "
+            "the shipped recipe, which adds the mean Zipf frequency of the words (`routing/word_frequency.py`). "
+            "The shipped recipe and its C were picked on these same `sources` folds (and the words' frequency "
+            "on the pairs held out as well), and characters per token and the words' frequency among several "
+            'extra inputs tried on them ("Tried and not shipped"): a selection on the figures reported.',
             "",
             "| recipe | sources | sources, arena only | " + " | ".join(PROTOCOLS[1:]) + " |",
             "| --- | " + " | ".join("---:" for _ in range(len(PROTOCOLS) + 1)) + " |",

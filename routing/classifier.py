@@ -55,7 +55,8 @@ import numpy.typing as npt
 
 from routing.data_file import calibrated, read_data_file
 from routing.embedding_head import EmbeddingHead, default_head
-from routing.static_head import StaticHead, default_static_head, window
+from routing.static_head import StaticHead, default_static_head, read_words, window
+from routing.word_frequency import default_word_frequency
 
 MODEL_FORMAT = 1
 DEFAULT_MODEL = "classifier.json"
@@ -239,7 +240,8 @@ def classify_text(
             ngram_logit, contributions = (model or default_model()).logit(features(text))
         else:
             ngram_logit, contributions = 0.0, []
-        parts = h.logit(vector, ngram_logit, len(text), window)
+        zipf = default_word_frequency().offset(read_words(text)) if h.uses_words else None
+        parts = h.logit(vector, ngram_logit, len(text), window, zipf)
         score = h.score(parts.total)
         detail = f"emb{parts.embedding:+.2f}"
         if h.uses_ngrams:
@@ -248,6 +250,8 @@ def classify_text(
             detail += f",len{parts.length:+.2f}"
         if h.uses_window:
             detail += f",cpt{parts.chars_per_token:+.2f}"
+        if h.uses_words:
+            detail += f",wf{parts.word_zipf:+.2f}"
         return Classification(_tier_for(score, tiers), round(score, 3), _reasons(contributions), EMBEDDING, detail)
     s = static or default_static_head()
     static_parts = s.logit(text, reasons=4 * MAX_REASONS)

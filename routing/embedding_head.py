@@ -8,11 +8,13 @@ used still lands near other technical asks. When a request's vector is at hand t
 scores it; the static head (``routing.static_head``) scores everything else.
 
 The logit is ``weights . vector + ngram_weight * ngram_logit + length_weight *
-log1p(characters) + chars_per_token_weight * log(characters per token) + bias``, calibrated
-like the n-gram model's (``scale * logit + shift`` through a sigmoid) so that the same tier
-boundaries hold for both heads. ``ngram_weight``, ``length_weight`` and
-``chars_per_token_weight`` are what training found worth adding (zero when they did not help
-on held-out sources).
+log1p(characters) + chars_per_token_weight * log(characters per token) + word_zipf_weight *
+the words' frequency + bias``, calibrated like the n-gram model's (``scale * logit
++ shift`` through a sigmoid) so that the same tier boundaries hold for both heads.
+``ngram_weight``, ``length_weight``, ``chars_per_token_weight`` and ``word_zipf_weight`` are
+what training found worth adding (zero when they did not help on held-out sources). The words'
+frequency is ``routing.word_frequency``'s (``WordFrequency.offset``: their mean Zipf frequency
+less everyday text's), of the words the static head reads of the instruction.
 
 Characters per token (``chars_per_token``) are those of the window the model read: its word
 pieces, and the characters of the text they cover (``cache.semantic.embed_model.TokenWindow``),
@@ -43,10 +45,11 @@ import numpy.typing as npt
 
 from routing.data_file import calibrated, read_data_file
 
-HEAD_FORMAT = 2
-# Files of format 1 (no ``chars_per_token_weight``) are read with that weight 0: they score as
-# they did. A gateway that only reads format 1 refuses format 2 rather than drop the input.
-HEAD_FORMATS_READ = (1, HEAD_FORMAT)
+HEAD_FORMAT = 3
+# Files of format 1 (no ``chars_per_token_weight``) and 2 (no ``word_zipf_weight``) are read
+# with the weights they lack at 0: they score as they did. A gateway that only reads older
+# formats refuses a newer one rather than drop an input.
+HEAD_FORMATS_READ = (1, 2, HEAD_FORMAT)
 DEFAULT_HEAD = "classifier-embedding.json"
 # The text embedded for classification is cut here: the model reads its first 256 word
 # pieces (~1,000 characters of English, fewer of code), so 4096 characters lose nothing it
@@ -67,6 +70,7 @@ class HeadLogit:
     ngram: float  # ngram_weight * the n-gram model's logit
     length: float  # length_weight * log1p(characters)
     chars_per_token: float  # chars_per_token_weight * chars_per_token(window)
+    word_zipf: float  # word_zipf_weight * the words' frequency (``WordFrequency.offset``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,7 @@ class EmbeddingHead:
     scale: float
     shift: float
     embedder: str  # identity of the embedder the head was trained on (``Embedder.identity``)
+    word_zipf_weight: float = 0.0
 
     @property
     def dimension(self) -> int:
@@ -95,15 +100,27 @@ class EmbeddingHead:
         """Whether the head needs the window the model read (``logit``'s ``window``)."""
         return self.chars_per_token_weight != 0.0
 
+    @property
+    def uses_words(self) -> bool:
+        """Whether the head needs the words' frequency (``logit``'s ``word_zipf``)."""
+        return self.word_zipf_weight != 0.0
+
     def accepts(self, identity: str, dimension: int) -> bool:
         """Whether vectors of this embedder are the ones the head was trained on."""
         return identity == self.embedder and dimension == self.dimension
 
     def logit(
-        self, vector: npt.NDArray[np.floating], ngram_logit: float, chars: int, window: tuple[int, int] | None = None
+        self,
+        vector: npt.NDArray[np.floating],
+        ngram_logit: float,
+        chars: int,
+        window: tuple[int, int] | None = None,
+        word_zipf: float | None = None,
     ) -> HeadLogit:
         """The logit of ``vector``; ``chars``: the instruction's length; ``window``: the (word
-        pieces, characters) the model read of it, needed when ``uses_window``."""
+        pieces, characters) the model read of it, needed when ``uses_window``; ``word_zipf``:
+        its words' frequency (``routing.word_frequency.WordFrequency.offset``), needed when
+        ``uses_words``."""
         embedding = float(np.dot(self.weights, vector)) + self.bias
         ngram = self.ngram_weight * ngram_logit
         length = self.length_weight * math.log1p(chars)
@@ -112,7 +129,12 @@ class EmbeddingHead:
             if window is None:
                 raise ValueError("this embedding head weighs the token window, and none was given")
             per_token = self.chars_per_token_weight * chars_per_token(*window)
-        return HeadLogit(embedding + ngram + length + per_token, embedding, ngram, length, per_token)
+        zipf = 0.0
+        if self.uses_words:
+            if word_zipf is None:
+                raise ValueError("this embedding head weighs the words' frequency, and none was given")
+            zipf = self.word_zipf_weight * word_zipf
+        return HeadLogit(embedding + ngram + length + per_token + zipf, embedding, ngram, length, per_token, zipf)
 
     def score(self, logit: float) -> float:
         return calibrated(logit, self.scale, self.shift)
@@ -149,6 +171,7 @@ def load_head(path: str | Path | None = None) -> EmbeddingHead:
             float(data["scale"]),
             float(data["shift"]),
             str(data["embedder"]),
+            float(data["word_zipf_weight"]) if data["format"] >= 3 else 0.0,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EmbeddingHeadError(f"the classifier's embedding head is malformed: {exc}") from exc

@@ -6,7 +6,8 @@ all-MiniLM-L6-v2's tokenizer cuts them, and gives each piece a fixed vector: the
 output for that piece alone, projected on the vocabulary's leading principal directions (a
 static distillation of the model, as Model2Vec makes them: Tulkens and van Dongen, 2024).
 The text's vector is the sum of its pieces' vectors, made unit length; a logistic head over
-it, log length and characters per word piece gives the logit.
+it, log length, characters per word piece and how common the words are
+(``routing.word_frequency``) gives the logit.
 
 Because every piece of the vocabulary has a vector, a word no labelled prompt contains
 still scores by what its pieces are near ("kubelet" is ``ku ##bel ##et``): that is what the
@@ -39,8 +40,11 @@ import numpy as np
 import numpy.typing as npt
 
 from routing.data_file import calibrated, read_data_file
+from routing.word_frequency import WordFrequency, default_word_frequency
 
-FORMAT = 1
+FORMAT = 2
+# Files of format 1 (no ``word_zipf_weight``) are read with that weight 0: they score as they did.
+FORMATS_READ = (1, FORMAT)
 DEFAULT_STATIC = "classifier-static.json"
 # Read of a long text, by this head and the n-gram model: its head and tail (the ask sits at
 # the start or the end of a paste, and the cost stays flat whatever the size).
@@ -64,6 +68,11 @@ def window(text: str) -> str:
     if len(text) > HEAD_CHARS + TAIL_CHARS:
         return text[:HEAD_CHARS] + " " + text[-TAIL_CHARS:]
     return text
+
+
+def read_words(text: str) -> list[str]:
+    """The words the head reads of ``text``: ``words`` of its ``window``."""
+    return words(window(text))
 
 
 def words(text: str) -> list[str]:
@@ -110,12 +119,14 @@ def _is_cjk(cp: int) -> bool:
 @dataclass(frozen=True, slots=True)
 class StaticParts:
     """The head's logit and its parts: the vector's (with the bias), log length's, characters
-    per piece's; ``pieces``: each piece's part of the vector's, largest first."""
+    per piece's, the words' mean Zipf frequency's; ``pieces``: each piece's part of the
+    vector's, largest first."""
 
     total: float
     vector: float
     length: float
     chars_per_piece: float
+    word_zipf: float
     pieces: tuple[tuple[str, float], ...]
 
 
@@ -133,6 +144,8 @@ class StaticHead:
         scale: float,
         shift: float,
         source: str = "",
+        word_zipf_weight: float = 0.0,
+        frequency: WordFrequency | None = None,
     ) -> None:
         if table.shape != (len(tokens), weights.size):
             raise ValueError(f"a table of {table.shape} for {len(tokens)} pieces and {weights.size} weights")
@@ -147,6 +160,9 @@ class StaticHead:
         self.scale = scale
         self.shift = shift
         self.source = source
+        self.word_zipf_weight = word_zipf_weight
+        # The word-frequency table, read when the head first weighs it.
+        self._frequency = frequency
         self._ids = {token: i for i, token in enumerate(tokens)}
         self._unknown = self._ids[UNKNOWN]
         # Each piece's part of the logit before the division by the sum's length.
@@ -155,7 +171,22 @@ class StaticHead:
 
     def pieces(self, text: str) -> list[int]:
         """The word pieces of ``text`` (all of it: the caller takes the ``window``)."""
-        return list(itertools.chain.from_iterable(map(self._pieces_of, words(text))))
+        return self._ids_of(words(text))
+
+    def _ids_of(self, read: list[str]) -> list[int]:
+        return list(itertools.chain.from_iterable(map(self._pieces_of, read)))
+
+    @property
+    def frequency(self) -> WordFrequency:
+        """The word-frequency table the head weighs (the shipped one unless given)."""
+        if self._frequency is None:
+            self._frequency = default_word_frequency()
+        return self._frequency
+
+    def word_zipf(self, read: list[str]) -> float:
+        """``word_zipf_weight`` times the words' frequency (``WordFrequency.offset``) of the
+        words ``read`` (0 when the head does not weigh it)."""
+        return self.word_zipf_weight * self.frequency.offset(read) if self.word_zipf_weight else 0.0
 
     def _word_pieces(self, word: str) -> tuple[int, ...]:
         """Greedy longest-match-first word pieces; an unknown piece makes the word unknown."""
@@ -189,18 +220,21 @@ class StaticHead:
         """The logit of an instruction and its parts; ``pieces`` holds the ``reasons``
         pieces whose parts are largest either way."""
         read = window(text)
-        ids = self.pieces(read)
+        in_words = words(read)
+        ids = self._ids_of(in_words)
         length = self.length_weight * math.log1p(len(text))
         per_piece = self.chars_per_piece_weight * chars_per_piece(len(ids), len(read))
+        zipf = self.word_zipf(in_words)
+        extras = length + per_piece + zipf
         if not ids:
-            return StaticParts(self.bias + length + per_piece, self.bias, length, per_piece, ())
+            return StaticParts(self.bias + extras, self.bias, length, per_piece, zipf, ())
         norm = float(np.linalg.norm(self.table[ids].sum(axis=0, dtype=np.float64)))
         unique, counts = np.unique(np.asarray(ids), return_counts=True)
         parts = self.piece_scores[unique] * counts / norm if norm > 0 else np.zeros(len(unique))
         vector = self.bias + float(parts.sum())
         top = np.argsort(-np.abs(parts), kind="stable")[:reasons]
         pieces = tuple((self.tokens[unique[i]], float(parts[i])) for i in top)
-        return StaticParts(vector + length + per_piece, vector, length, per_piece, pieces)
+        return StaticParts(vector + extras, vector, length, per_piece, zipf, pieces)
 
     def score(self, logit: float) -> float:
         return calibrated(logit, self.scale, self.shift)
@@ -218,7 +252,7 @@ def encode_table(table: npt.NDArray[np.floating]) -> str:
 
 def load_static_head(path: str | Path | None = None) -> StaticHead:
     """Read a static head file (the shipped one by default)."""
-    data = read_data_file(path, DEFAULT_STATIC, (FORMAT,), StaticHeadError, "the classifier's static head")
+    data = read_data_file(path, DEFAULT_STATIC, FORMATS_READ, StaticHeadError, "the classifier's static head")
     try:
         tokens = [str(t) for t in data["tokens"]]
         weights = np.asarray([float(w) for w in data["weights"]], dtype=np.float64)
@@ -234,6 +268,7 @@ def load_static_head(path: str | Path | None = None) -> StaticHead:
             float(data["scale"]),
             float(data["shift"]),
             str(data.get("source", "")),
+            float(data["word_zipf_weight"]) if data["format"] >= 2 else 0.0,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise StaticHeadError(f"the classifier's static head is malformed: {exc}") from exc

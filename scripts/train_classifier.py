@@ -29,9 +29,10 @@ With ``--embedding`` it (also) writes the embedding head, ``routing/data/classif
    whose identity the file records, with the window the model read of it (word pieces and
    the characters they cover: ``embed_windowed``, as the gateway gets it).
 5. Head: the same weighted logistic regression over the vector, ``log1p`` of the prompt's
-   length (``HEAD_LENGTH``) and the window's ``chars_per_token`` (``HEAD_CHARS_PER_TOKEN``),
+   length (``HEAD_LENGTH``), the window's ``chars_per_token`` (``HEAD_CHARS_PER_TOKEN``) and
+   the mean Zipf frequency of its words (``HEAD_WORD_ZIPF``, ``routing.word_frequency``),
    plus ``HEAD_NGRAM_WEIGHT`` times the n-gram model's logit; the extras are kept only where
-   they raised the ``sources`` AUC (bench/results/classifier.md).
+   they raised the held-out AUC (bench/results/classifier.md).
 6. Calibration: as in 3, from the ``HEAD_CALIBRATION_PROTOCOL`` out-of-fold logits with
    ``HEAD_EASY_QUANTILE`` / ``HEAD_HARD_QUANTILE``, so the same default tiers hold.
 
@@ -55,6 +56,8 @@ import numpy as np
 from bench.classifier_data import EASY, HARD, Prompt, load
 from routing.classifier import DEFAULT_TIERS, MODEL_FORMAT, LinearModel, features
 from routing.embedding_head import DEFAULT_HEAD, HEAD_FORMAT, chars_per_token, embedding_text
+from routing.static_head import read_words
+from routing.word_frequency import default_word_frequency
 
 OUT = Path(__file__).resolve().parent.parent / "routing" / "data" / "classifier.json"
 MIN_DF = 3
@@ -78,11 +81,13 @@ LARGE_BOTTOM = DEFAULT_TIERS[-1].min_score
 HEAD_OUT = OUT.with_name(DEFAULT_HEAD)
 # The recipe that scored best on the `sources` folds (bench/results/classifier.md,
 # "Candidates"): the vector, log length and characters per token in the model's window, no
-# n-gram logit, C = 0.3 (of 0.3, 1 and 3). Characters per token were picked among several
-# extra inputs on these same folds ("Tried and not shipped" lists the others).
+# n-gram logit, C = 0.3 (of 0.3, 1 and 3). Characters per token and the words' frequency were
+# picked among several extra inputs on these same folds and on the both-sides-held-out pairs
+# ("Tried and not shipped" lists the others).
 HEAD_C = 0.3
 HEAD_LENGTH = True
 HEAD_CHARS_PER_TOKEN = True
+HEAD_WORD_ZIPF = True
 HEAD_NGRAM_WEIGHT = 0.0
 # Boundaries from the strictest folds (every kind held out whole): the head's scores there
 # are what a kind of prompt it never read gets. 85% of easy prompts stay small, 75% of hard
@@ -258,14 +263,16 @@ def fit_on(prompts: Sequence[Prompt], feats: Sequence[set[str]], idx: Sequence[i
 
 @dataclass(frozen=True, slots=True)
 class HeadRecipe:
-    """What the head adds to the vector: log length and characters per token of the model's
-    window (as inputs of the regression), and the n-gram logit (with a fixed weight: fitting
-    it on logits of prompts the n-gram model was trained on would trust it far too much)."""
+    """What the head adds to the vector: log length, characters per token of the model's
+    window and the words' mean Zipf frequency (as inputs of the regression), and the n-gram
+    logit (with a fixed weight: fitting it on logits of prompts the n-gram model was trained
+    on would trust it far too much)."""
 
     length: bool = HEAD_LENGTH
     ngram_weight: float = HEAD_NGRAM_WEIGHT
     c: float = HEAD_C
     chars_per_token: bool = HEAD_CHARS_PER_TOKEN
+    word_zipf: bool = HEAD_WORD_ZIPF
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,14 +297,17 @@ class FittedHead:
     length_weight: float
     ngram_weight: float
     chars_per_token_weight: float
+    word_zipf_weight: float
 
-    def logits(self, x: np.ndarray, lengths: np.ndarray, per_token: np.ndarray, ngram: np.ndarray) -> np.ndarray:
-        """The head's logits as ``routing.embedding_head.EmbeddingHead.logit`` computes them."""
+    def logits(self, x: np.ndarray, text: TextInputs, idx: Sequence[int], ngram: np.ndarray) -> np.ndarray:
+        """The head's logits of the prompts ``idx``, as ``routing.embedding_head.EmbeddingHead.logit``
+        computes them."""
         return (
-            x @ self.weights
+            x[idx] @ self.weights
             + self.bias
-            + self.length_weight * np.log1p(lengths)
-            + self.chars_per_token_weight * per_token
+            + self.length_weight * np.log1p(text.lengths[idx])
+            + self.chars_per_token_weight * text.per_token[idx]
+            + self.word_zipf_weight * text.word_zipf[idx]
             + self.ngram_weight * ngram
         )
 
@@ -326,27 +336,56 @@ def lengths_of(prompts: Sequence[Prompt]) -> np.ndarray:
     return np.array([len(p.text) for p in prompts], dtype=np.float64)
 
 
+def word_zipf_of(prompts: Sequence[Prompt]) -> np.ndarray:
+    """Each prompt's words' frequency (``WordFrequency.offset``), as the gateway computes it."""
+    frequency = default_word_frequency()
+    return np.array([frequency.offset(read_words(p.text)) for p in prompts])
+
+
+@dataclass(frozen=True, slots=True)
+class TextInputs:
+    """The head's inputs besides the vector, of every prompt: length in characters,
+    ``chars_per_token`` of the model's window, the words' mean Zipf frequency."""
+
+    lengths: np.ndarray
+    per_token: np.ndarray
+    word_zipf: np.ndarray
+
+    @classmethod
+    def of(cls, prompts: Sequence[Prompt], vectors: PromptVectors) -> TextInputs:
+        return cls(lengths_of(prompts), vectors.per_token, word_zipf_of(prompts))
+
+
 def fit_head(
     x: np.ndarray,
-    lengths: np.ndarray,
-    per_token: np.ndarray,
+    text: TextInputs,
+    idx: Sequence[int],
     y: Sequence[int],
     groups: Sequence[str],
     recipe: HeadRecipe = HeadRecipe(),
 ) -> FittedHead:
-    """The weighted logistic regression over the vector (and log length and characters per
-    token, if the recipe says so)."""
+    """The weighted logistic regression over the vectors of the prompts ``idx`` (and log
+    length, characters per token and the words' frequency, as the recipe says)."""
     from sklearn.linear_model import LogisticRegression
 
-    extras = [column for on, column in ((recipe.length, np.log1p(lengths)), (recipe.chars_per_token, per_token)) if on]
-    inputs = np.hstack([x, *(column[:, None] for column in extras)])
+    columns = (
+        (recipe.length, np.log1p(text.lengths[idx])),
+        (recipe.chars_per_token, text.per_token[idx]),
+        (recipe.word_zipf, text.word_zipf[idx]),
+    )
+    inputs = np.hstack([x[idx], *(column[:, None] for on, column in columns if on)])
     clf = LogisticRegression(C=recipe.c, max_iter=5000)
     clf.fit(inputs, np.asarray(y), sample_weight=group_weights(y, groups))
-    coef = clf.coef_[0]
-    dim = x.shape[1]
-    length_weight = float(coef[dim]) if recipe.length else 0.0
-    per_token_weight = float(coef[dim + int(recipe.length)]) if recipe.chars_per_token else 0.0
-    return FittedHead(coef[:dim].copy(), float(clf.intercept_[0]), length_weight, recipe.ngram_weight, per_token_weight)
+    coef = iter(clf.coef_[0][x.shape[1] :])
+    length_weight, per_token_weight, zipf_weight = (float(next(coef)) if on else 0.0 for on, _ in columns)
+    return FittedHead(
+        clf.coef_[0][: x.shape[1]].copy(),
+        float(clf.intercept_[0]),
+        length_weight,
+        recipe.ngram_weight,
+        per_token_weight,
+        zipf_weight,
+    )
 
 
 def head_out_of_fold(
@@ -358,12 +397,12 @@ def head_out_of_fold(
 ) -> np.ndarray:
     """The embedding head's ``logits_out_of_fold``; ``ngram``: the n-gram logits of the same
     folds (out of fold too)."""
-    x, lengths, per_token = vectors.x, lengths_of(prompts), vectors.per_token
+    text = TextInputs.of(prompts, vectors)
 
     def train_and_score(rest: list[int], held: list[int]) -> np.ndarray:
         y = [int(prompts[i].label == HARD) for i in rest]
-        head = fit_head(x[rest], lengths[rest], per_token[rest], y, [prompts[i].group for i in rest], recipe)
-        return head.logits(x[held], lengths[held], per_token[held], np.nan_to_num(ngram[held]))
+        head = fit_head(vectors.x, text, rest, y, [prompts[i].group for i in rest], recipe)
+        return head.logits(vectors.x, text, held, np.nan_to_num(ngram[held]))
 
     return logits_out_of_fold(prompts, protocol, train_and_score)
 
@@ -375,7 +414,7 @@ def train_final_head(
     idx = [i for i, p in enumerate(prompts) if p.trained]
     y = [int(prompts[i].label == HARD) for i in idx]
     groups = [prompts[i].group for i in idx]
-    return fit_head(vectors.x[idx], lengths_of(prompts)[idx], vectors.per_token[idx], y, groups, recipe)
+    return fit_head(vectors.x, TextInputs.of(prompts, vectors), idx, y, groups, recipe)
 
 
 def train_head(prompts: Sequence[Prompt], feats: Sequence[set[str]], vectors: PromptVectors) -> dict[str, Any]:
@@ -398,6 +437,7 @@ def train_head(prompts: Sequence[Prompt], feats: Sequence[set[str]], vectors: Pr
         "ngram_weight": final.ngram_weight,
         "length_weight": round(final.length_weight, 6),
         "chars_per_token_weight": round(final.chars_per_token_weight, 6),
+        "word_zipf_weight": round(final.word_zipf_weight, 6),
         "scale": round(scale, 6),
         "shift": round(shift, 6),
         "info": info,

@@ -9,7 +9,8 @@ What it does (the labels, folds, weights and calibration are ``scripts.train_cla
    less their mean, projected on their ``DIMENSIONS`` leading principal directions, in
    float16 (``routing.static_head``). The model is the semantic extra's stock one.
 2. Inputs: each prompt's word pieces (``StaticHead.pieces`` of its ``window``), the unit
-   sum of their vectors, ``log1p`` of its length and ``chars_per_piece``.
+   sum of their vectors, ``log1p`` of its length, ``chars_per_piece`` and the mean Zipf
+   frequency of its words (``routing.word_frequency``).
 3. Head: the weighted logistic regression of ``fit_head`` at ``C``.
 4. Calibration: the embedding head's (``HEAD_CALIBRATION_PROTOCOL`` folds,
    ``HEAD_EASY_QUANTILE`` / ``HEAD_HARD_QUANTILE``), so the same default tiers hold.
@@ -32,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from bench.classifier_data import HARD, Prompt, load
-from routing.static_head import DEFAULT_STATIC, FORMAT, StaticHead, chars_per_piece, encode_table, window
+from routing.static_head import DEFAULT_STATIC, FORMAT, StaticHead, chars_per_piece, encode_table, window, words
+from routing.word_frequency import default_word_frequency
 from scripts.train_classifier import (
     HEAD_CALIBRATION_PROTOCOL,
     HEAD_EASY_QUANTILE,
@@ -78,22 +80,27 @@ def distil(model_dir: Path | None = None) -> tuple[list[str], np.ndarray, str]:
 
 @dataclass(frozen=True, slots=True)
 class StaticInputs:
-    """The regression's inputs of every prompt: the unit vector, log length, characters per piece."""
+    """The regression's inputs of every prompt: the unit vector, log length, characters per
+    piece, the words' mean Zipf frequency."""
 
     x: np.ndarray
 
     @classmethod
     def of(cls, head: StaticHead, prompts: Sequence[Prompt]) -> StaticInputs:
         rows = []
+        frequency = default_word_frequency()
         for p in prompts:
             read = window(p.text)
+            in_words = words(read)
             ids = head.pieces(read)
-            rows.append([*head.vector(ids), np.log1p(len(p.text)), chars_per_piece(len(ids), len(read))])
+            per_piece = chars_per_piece(len(ids), len(read))
+            rows.append([*head.vector(ids), np.log1p(len(p.text)), per_piece, frequency.offset(in_words)])
         return cls(np.asarray(rows, dtype=np.float64))
 
 
 def fit(inputs: StaticInputs, prompts: Sequence[Prompt], idx: Sequence[int]) -> tuple[np.ndarray, float]:
-    """The regression's coefficients (vector, length, characters per piece) and intercept."""
+    """The regression's coefficients (vector, length, characters per piece, words' frequency)
+    and intercept."""
     from sklearn.linear_model import LogisticRegression
 
     y = [int(prompts[i].label == HARD) for i in idx]
@@ -130,6 +137,7 @@ def train(prompts: Sequence[Prompt], tokens: list[str], table: np.ndarray, sourc
         "bias": round(bias, 6),
         "length_weight": round(float(coef[DIMENSIONS]), 6),
         "chars_per_piece_weight": round(float(coef[DIMENSIONS + 1]), 6),
+        "word_zipf_weight": round(float(coef[DIMENSIONS + 2]), 6),
         "scale": round(scale, 6),
         "shift": round(shift, 6),
         "info": {

@@ -7,7 +7,7 @@ the store together (the embedder's own counter, ``fleetgate_cache_embed_texts_to
 tenant without the cache, or a request that names its model, costs no embedding under the
 default ``routing.classifier.embedding: auto``; ``always`` embeds without any cache. The
 head's parts in ``x-fleetgate-route`` include characters per token of the model's window,
-which came with the vector from that one embedding.
+which came with the vector from that one embedding, and the words' frequency.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_auto_with_the_semantic_cache_is_classified_by_the_embedding_head_on_one
         route = reply.headers["x-fleetgate-route"]
         assert "; embedding(emb" in route, route
         # Its parts: the vector, length, and characters per token of the model's window.
-        assert ",len" in route and ",cpt" in route, route
+        assert ",len" in route and ",cpt" in route and ",wf" in route, route
         tier = reply.headers["x-fleetgate-tier"]
         assert route.endswith(f"; tier={tier}; classified")
         assert reply.json()["model"] == f"{tier}-m"

@@ -77,10 +77,7 @@ async def test_auto_goes_to_the_tier_of_its_score(tmp_path: Path) -> None:
 
 async def test_medium_without_a_model_uses_the_nearest_tier(tmp_path: Path) -> None:
     # A medium-scored prompt (a coding ask, briefly put); medium has no model, large is nearest (tie -> larger).
-    text = (
-        "Using numpy only, implement k-means with k-means++ initialisation, vectorised, and return the labels "
-        "and the centroids."
-    )
+    text = "Using numpy only, implement k-means, vectorised, and return the labels and the centroids."
     medium = [{"role": "user", "content": text}]
     async with sim_upstream("small-m") as small, sim_upstream("large-m") as large:
         async with in_process_gateway(tiered(small, large), tmp_path) as (url, _, _):

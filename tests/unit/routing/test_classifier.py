@@ -116,7 +116,7 @@ def test_only_head_and_tail_of_a_long_prompt_are_read() -> None:
 def test_empty_or_odd_bodies_do_not_raise() -> None:
     bodies: list[dict[str, object]] = [{}, {"messages": []}, {"messages": [None, {"role": "user"}]}, {"prompt": [1, 2]}]
     static = default_static_head()
-    bias_only = static.score(static.bias)  # no pieces, log1p(0) = 0, log(1 / 1) = 0
+    bias_only = static.score(static.bias)  # no pieces, log1p(0) = 0, log(1 / 1) = 0, no words: offset 0
     for body in bodies:
         c = classify(body)
         assert c.score == round(bias_only, 3) and c.reasons == ()

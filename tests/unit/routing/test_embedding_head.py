@@ -30,6 +30,7 @@ from routing.embedding_head import (
     embedding_text,
     load_head,
 )
+from routing.word_frequency import EVERYDAY_ZIPF, default_word_frequency
 
 SHIPPED = Path(__file__).resolve().parents[3] / "routing" / "data" / "classifier-embedding.json"
 
@@ -38,9 +39,11 @@ def user(text: str) -> dict[str, object]:
     return {"model": "auto", "messages": [{"role": "user", "content": text}]}
 
 
-def head(ngram_weight: float = 0.0, length_weight: float = 0.0, per_token_weight: float = 0.0) -> EmbeddingHead:
+def head(
+    ngram_weight: float = 0.0, length_weight: float = 0.0, per_token_weight: float = 0.0, zipf_weight: float = 0.0
+) -> EmbeddingHead:
     return EmbeddingHead(
-        np.array([2.0, -1.0, 0.0]), -0.5, ngram_weight, length_weight, per_token_weight, 1.0, 0.0, "emb-1"
+        np.array([2.0, -1.0, 0.0]), -0.5, ngram_weight, length_weight, per_token_weight, 1.0, 0.0, "emb-1", zipf_weight
     )
 
 
@@ -81,6 +84,21 @@ def test_characters_per_token_of_the_window_add_to_the_logit_and_show_in_the_hea
     assert per_token == pytest.approx(-1.119, abs=1e-3)
     assert c.score == round(sigmoid(2.0 - 0.5 + length + per_token), 3)
     assert c.header() == f"score={c.score:.2f}; embedding(emb+1.50,len+{length:.2f},cpt-1.12); none"
+
+
+def test_the_words_frequency_adds_to_the_logit_and_shows_in_the_header() -> None:
+    text = "Configure samba on a server"
+    vector = np.array([1.0, 0.0, 0.0], dtype=np.float32)
+    c = classify(user(text), vector=vector, head=head(zipf_weight=-0.5))
+    # The words the static head reads, looked up in the shipped table (a word not in it counts
+    # the floor); their mean less everyday text's is the input.
+    table = default_word_frequency().zipf
+    expected = [table["configure"], table["samba"], table["on"], table["a"], table["server"]]
+    zipf = -0.5 * (sum(expected) / 5 - EVERYDAY_ZIPF)
+    assert c.score == round(sigmoid(2.0 - 0.5 + zipf), 3)
+    assert c.header() == f"score={c.score:.2f}; embedding(emb+1.50,wf{zipf:+.2f}); none"
+    with pytest.raises(ValueError, match="frequency"):
+        head(zipf_weight=-0.5).logit(vector, 0.0, len(text), None)
 
 
 def test_a_head_that_weighs_the_window_needs_one() -> None:
@@ -155,6 +173,13 @@ def test_head_file_errors(tmp_path: Path) -> None:
         load_head(bad)
     bad.write_text(json.dumps({**good, "format": 2, "chars_per_token_weight": -1.5}))
     assert load_head(bad).chars_per_token_weight == -1.5
+    assert load_head(bad).word_zipf_weight == 0.0 and not load_head(bad).uses_words
+    # Format 3 must carry the words' frequency weight.
+    bad.write_text(json.dumps({**good, "format": 3, "chars_per_token_weight": -1.5}))
+    with pytest.raises(EmbeddingHeadError, match="malformed"):
+        load_head(bad)
+    bad.write_text(json.dumps({**good, "format": 3, "chars_per_token_weight": -1.5, "word_zipf_weight": -0.7}))
+    assert load_head(bad).word_zipf_weight == -0.7 and load_head(bad).uses_words
 
 
 def test_shipped_head_fits_the_semantic_cache_embedder_and_the_default_tiers() -> None:
@@ -162,7 +187,7 @@ def test_shipped_head_fits_the_semantic_cache_embedder_and_the_default_tiers() -
     assert h.dimension == 384  # all-MiniLM-L6-v2
     data = json.loads(SHIPPED.read_text())
     assert data["embedder"] == h.embedder and len(h.embedder) == 16
-    assert data["format"] == 2 and h.uses_window and h.length_weight != 0.0
+    assert data["format"] == 3 and h.uses_window and h.uses_words and h.length_weight != 0.0
     bounds = data["info"]["boundary_logits"]
     assert h.score(bounds["small_top"]) == pytest.approx(DEFAULT_TIERS[0].max_score, abs=1e-3)
     assert h.score(bounds["large_bottom"]) == pytest.approx(DEFAULT_TIERS[-1].min_score, abs=1e-3)

@@ -17,9 +17,11 @@ from routing.static_head import (
     default_static_head,
     encode_table,
     load_static_head,
+    read_words,
     window,
     words,
 )
+from routing.word_frequency import default_word_frequency
 
 FIXTURE = Path(__file__).resolve().parents[2] / "data" / "classifier_fixture.jsonl"
 SHIPPED = Path(__file__).resolve().parents[3] / "routing" / "data" / "classifier-static.json"
@@ -60,16 +62,19 @@ def test_ascii_and_unicode_paths_split_alike() -> None:
 
 def test_the_logit_is_the_trained_regression_on_the_same_inputs() -> None:
     """What the gateway computes (per-piece scores over the sum's length) equals the
-    regression training fits (weights . unit vector + the two extra inputs + bias)."""
+    regression training fits (weights . unit vector + the three extra inputs + bias)."""
     head = default_static_head()
+    assert head.word_zipf_weight != 0.0  # the shipped head weighs the words' frequency
+    frequency = default_word_frequency()
     for text in [*fixture_texts()[:20], *ODD_TEXTS]:
         read = window(text)
         ids = head.pieces(read)
-        inputs = np.array([*head.vector(ids), math.log1p(len(text)), chars_per_piece(len(ids), len(read))])
-        coef = np.array([*head.weights, head.length_weight, head.chars_per_piece_weight])
+        zipf = frequency.offset(read_words(text))
+        inputs = np.array([*head.vector(ids), math.log1p(len(text)), chars_per_piece(len(ids), len(read)), zipf])
+        coef = np.array([*head.weights, head.length_weight, head.chars_per_piece_weight, head.word_zipf_weight])
         parts = head.logit(text)
         assert parts.total == pytest.approx(float(inputs @ coef) + head.bias, abs=1e-9)
-        assert parts.total == pytest.approx(parts.vector + parts.length + parts.chars_per_piece)
+        assert parts.total == pytest.approx(parts.vector + parts.length + parts.chars_per_piece + parts.word_zipf)
         # The pieces' parts add up to the vector's part (all of them asked for).
         every = head.logit(text, reasons=len(head.tokens))
         assert sum(v for _, v in every.pieces) + head.bias == pytest.approx(parts.vector, abs=1e-9)
@@ -103,7 +108,17 @@ def test_file_errors(tmp_path: Path) -> None:
         "shift": 0.0,
     }
     bad.write_text(json.dumps(good))
-    assert load_static_head(bad).logit("a").total == pytest.approx(0.0)  # "a" is [0, 1]: weight 0
+    # Format 1 (before the words' frequency): read as it scored, with that input's weight 0.
+    old = load_static_head(bad)
+    assert old.word_zipf_weight == 0.0 and old.logit("a").total == pytest.approx(0.0)  # "a" is [0, 1]: weight 0
+    # Format 2 must carry the weight.
+    bad.write_text(json.dumps({**good, "format": 2}))
+    with pytest.raises(StaticHeadError, match="malformed"):
+        load_static_head(bad)
+    bad.write_text(json.dumps({**good, "format": 2, "word_zipf_weight": -1.0}))
+    parts = load_static_head(bad).logit("a")
+    assert parts.word_zipf == pytest.approx(-default_word_frequency().offset(["a"]))
+    assert parts.total == pytest.approx(parts.word_zipf)
     for broken in (
         {"tokens": ["a", "b"]},
         {"table": encode_table(np.eye(3))},

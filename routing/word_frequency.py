@@ -1,0 +1,81 @@
+"""How common a text's words are: the classifier heads' word-frequency input.
+
+Arena-hard's prompts were picked from real users' asks for their specificity, domain
+knowledge and technical accuracy, and it shows in their words: "samba", "PromQL", "pods",
+"kubelet", "eigenvalue" are rarer in everyday English than the words of an everyday question
+or a generic instruction of the same length. The input is the mean Zipf frequency
+(log10 of a word's occurrences per billion words) of the alphabetic words the static head
+reads of a text (``routing.static_head.words`` of its ``window``): around 5.5 for everyday
+questions, lower for technical asks, lowest for code, whose identifiers are no English words.
+The heads weigh its ``offset`` from ``EVERYDAY_ZIPF``, so that the part it adds to a logit
+reads as it moves the score (``wf+0.9``: rarer words than everyday text's).
+Measured on held-out sources, it moves real users' hard prompts most
+(bench/results/classifier.md, docs/routing.md).
+
+The frequencies are wordfreq's English list (Robyn Speer, https://github.com/rspeer/wordfreq),
+kept in ``routing/data/word-frequency.json`` for the words at or above ``min_zipf``, to one
+decimal; every other word counts ``floor``. The data is wordfreq's, under the Creative
+Commons Attribution-ShareAlike 4.0 licence, which the file carries; it is rebuilt by
+``scripts/build_word_frequency.py``.
+
+Cost: one dictionary lookup per word of the window (at most ``HEAD_CHARS + TAIL_CHARS``
+characters), a few microseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from routing.data_file import read_data_file
+
+FORMAT = 1
+DEFAULT_WORD_FREQUENCY = "word-frequency.json"
+# About the mean Zipf frequency of everyday text's words: the heads' input is the offset from
+# it, and a text with no alphabetic word ("2+2=?", a bare code symbol) counts it (offset 0).
+EVERYDAY_ZIPF = 5.0
+
+
+class WordFrequencyError(ValueError):
+    """The word-frequency file is missing, unreadable or of another format."""
+
+
+@dataclass(frozen=True, slots=True)
+class WordFrequency:
+    """Zipf frequencies of common words; ``floor``: what any other word counts."""
+
+    zipf: Mapping[str, float]
+    floor: float
+
+    def mean_zipf(self, read: Iterable[str]) -> float:
+        """The mean Zipf frequency of the alphabetic words among ``read`` (``EVERYDAY_ZIPF`` if none)."""
+        total = 0.0
+        n = 0
+        get, floor = self.zipf.get, self.floor
+        for word in read:
+            if word.isalpha():
+                total += get(word, floor)
+                n += 1
+        return total / n if n else EVERYDAY_ZIPF
+
+    def offset(self, read: Iterable[str]) -> float:
+        """The heads' input: ``mean_zipf`` less ``EVERYDAY_ZIPF`` (negative: rarer words)."""
+        return self.mean_zipf(read) - EVERYDAY_ZIPF
+
+
+def load_word_frequency(path: str | Path | None = None) -> WordFrequency:
+    """Read a word-frequency file (the shipped one by default)."""
+    data = read_data_file(path, DEFAULT_WORD_FREQUENCY, (FORMAT,), WordFrequencyError, "the word-frequency table")
+    try:
+        zipf = {word: float(value) for value, listed in data["words"].items() for word in listed.split()}
+        return WordFrequency(zipf, float(data["floor"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise WordFrequencyError(f"the word-frequency table is malformed: {exc}") from exc
+
+
+@functools.cache
+def default_word_frequency() -> WordFrequency:
+    """The shipped table, read once."""
+    return load_word_frequency()

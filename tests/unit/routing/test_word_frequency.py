@@ -1,0 +1,64 @@
+"""The classifier's word-frequency input: the shipped table, the mean, the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from routing.static_head import read_words
+from routing.word_frequency import (
+    EVERYDAY_ZIPF,
+    WordFrequencyError,
+    default_word_frequency,
+    load_word_frequency,
+)
+
+SHIPPED = Path(__file__).resolve().parents[3] / "routing" / "data" / "word-frequency.json"
+
+
+def test_mean_zipf_counts_alphabetic_words_only_and_unknown_ones_at_the_floor() -> None:
+    frequency = default_word_frequency()
+    assert frequency.mean_zipf(["the", "the"]) == frequency.zipf["the"] > 7
+    assert "qqzxv" not in frequency.zipf
+    assert frequency.mean_zipf(["the", "(", "2", "qqzxv"]) == pytest.approx(
+        (frequency.zipf["the"] + frequency.floor) / 2
+    )
+    assert frequency.mean_zipf(["2", "+", "2"]) == EVERYDAY_ZIPF  # no word at all: the neutral value
+    assert frequency.mean_zipf([]) == EVERYDAY_ZIPF
+    # The heads' input is the offset from everyday text's: 0 for no words, negative for rare ones.
+    assert frequency.offset([]) == 0.0
+    assert frequency.offset(["qqzxv"]) == frequency.floor - EVERYDAY_ZIPF < 0
+
+
+def test_technical_asks_read_rarer_than_everyday_questions() -> None:
+    frequency = default_word_frequency()
+    samba = frequency.mean_zipf(read_words("write a shellscript configuration samba server"))
+    friends = frequency.mean_zipf(read_words("what is the best way to make new friends"))
+    assert samba < friends - 1.0
+
+
+def test_the_shipped_table_says_whose_data_it_is_and_keeps_common_words_only() -> None:
+    data = json.loads(SHIPPED.read_text())
+    assert "wordfreq" in data["source"] and "Attribution-ShareAlike 4.0" in data["license"]
+    frequency = default_word_frequency()
+    assert frequency.floor == data["floor"] < data["min_zipf"] <= min(frequency.zipf.values())
+    assert all(word.isascii() and word.isalpha() and word == word.lower() for word in frequency.zipf)
+    assert len(frequency.zipf) > 20000
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(WordFrequencyError, match="cannot read"):
+        load_word_frequency(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": 99}))
+    with pytest.raises(WordFrequencyError, match="format"):
+        load_word_frequency(bad)
+    for broken in ({"format": 1, "floor": 2.0}, {"format": 1, "floor": 2.0, "words": {"x": "the"}}):
+        bad.write_text(json.dumps(broken))
+        with pytest.raises(WordFrequencyError, match="malformed"):
+            load_word_frequency(bad)
+    bad.write_text(json.dumps({"format": 1, "floor": 1.5, "words": {"6.0": "cat dog", "3.2": "axolotl"}}))
+    own = load_word_frequency(bad)
+    assert own.mean_zipf(["cat", "axolotl", "zyzzyva"]) == pytest.approx((6.0 + 3.2 + 1.5) / 3)
