@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from routing.data_file import calibrated, read_data_file
-from routing.word_frequency import WordFrequency, default_word_frequency
+from routing.word_frequency import default_word_frequency
 
 FORMAT = 2
 # Files of format 1 (no ``word_zipf_weight``) are read with that weight 0: they score as they did.
@@ -119,7 +119,7 @@ def _is_cjk(cp: int) -> bool:
 @dataclass(frozen=True, slots=True)
 class StaticParts:
     """The head's logit and its parts: the vector's (with the bias), log length's, characters
-    per piece's, the words' mean Zipf frequency's; ``pieces``: each piece's part of the
+    per piece's, the words' frequency's (``word_zipf``); ``pieces``: each piece's part of the
     vector's, largest first."""
 
     total: float
@@ -145,7 +145,6 @@ class StaticHead:
         shift: float,
         source: str = "",
         word_zipf_weight: float = 0.0,
-        frequency: WordFrequency | None = None,
     ) -> None:
         if table.shape != (len(tokens), weights.size):
             raise ValueError(f"a table of {table.shape} for {len(tokens)} pieces and {weights.size} weights")
@@ -161,8 +160,6 @@ class StaticHead:
         self.shift = shift
         self.source = source
         self.word_zipf_weight = word_zipf_weight
-        # The word-frequency table, read when the head first weighs it.
-        self._frequency = frequency
         self._ids = {token: i for i, token in enumerate(tokens)}
         self._unknown = self._ids[UNKNOWN]
         # Each piece's part of the logit before the division by the sum's length.
@@ -176,17 +173,10 @@ class StaticHead:
     def _ids_of(self, read: list[str]) -> list[int]:
         return list(itertools.chain.from_iterable(map(self._pieces_of, read)))
 
-    @property
-    def frequency(self) -> WordFrequency:
-        """The word-frequency table the head weighs (the shipped one unless given)."""
-        if self._frequency is None:
-            self._frequency = default_word_frequency()
-        return self._frequency
-
     def word_zipf(self, read: list[str]) -> float:
-        """``word_zipf_weight`` times the words' frequency (``WordFrequency.offset``) of the
-        words ``read`` (0 when the head does not weigh it)."""
-        return self.word_zipf_weight * self.frequency.offset(read) if self.word_zipf_weight else 0.0
+        """``word_zipf_weight`` times the frequency (``WordFrequency.offset``, the shipped
+        table's) of the words ``read`` (0 when the head does not weigh it)."""
+        return self.word_zipf_weight * default_word_frequency().offset(read) if self.word_zipf_weight else 0.0
 
     def _word_pieces(self, word: str) -> tuple[int, ...]:
         """Greedy longest-match-first word pieces; an unknown piece makes the word unknown."""
