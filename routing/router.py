@@ -53,6 +53,7 @@ from routing.prefix_placement import AnchorPlacement
 from routing.retry_budget import RetryBudget
 from routing.static_head import StaticHead, default_static_head
 from routing.tier_map import TierMap
+from routing.word_frequency import default_word_frequency
 
 # Completion tokens assumed owed when a request sets no max_tokens (routing estimate only).
 DEFAULT_COMPLETION_ESTIMATE = 256
@@ -403,6 +404,8 @@ class Router:
         self.head = head
         self.embedding_use = embedding_use
         self.static = (static or default_static_head()) if tiers.active else None
+        if tiers.active:
+            default_word_frequency()  # both heads' word-frequency table, read at start too
         self.policy = policy
         self.metrics = metrics
         self.clock = clock

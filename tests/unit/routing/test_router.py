@@ -16,6 +16,7 @@ from routing.embedding_head import EmbeddingHead
 from routing.metrics import RoutingMetrics
 from routing.policies import LeastRequests, PrefixAffinity, RoundRobin
 from routing.router import DEADLINE, EXHAUSTED, NO_REPLICA, RETRY_BUDGET, PoolSpec, Router, make_policy
+from routing.word_frequency import default_word_frequency
 
 SYSTEM = "You are the support assistant of a large company; answer politely and precisely. " * 20
 
@@ -249,6 +250,16 @@ def test_forced_tier_needs_the_tenants_permission() -> None:
     assert denied is not None and (denied.tier, denied.model, denied.reason) == ("small", "s", "force_denied")
     unknown = router.choose_tier(chat("hi"), "huge", ("huge",))
     assert unknown is not None and (unknown.tier, unknown.reason) == ("small", "force_denied")
+
+
+def test_the_classifiers_tables_are_read_at_start_not_by_the_first_request() -> None:
+    """The word-frequency table both heads weigh is read when the router is built with tiers
+    (as the static head is), so the first classified request does not block the loop on it."""
+    default_word_frequency.cache_clear()
+    build([PoolSpec("m", "default")], {"m": [replica("m", 0)]})
+    assert default_word_frequency.cache_info().currsize == 0  # nothing to classify into: not read
+    build(TIERED, TIERED_REPLICAS)
+    assert default_word_frequency.cache_info().currsize == 1
 
 
 def test_no_tiered_model_means_no_classification() -> None:
