@@ -4,7 +4,7 @@ Arena-hard's prompts were picked from real users' asks for their specificity, do
 knowledge and technical accuracy, and it shows in their words: "samba", "PromQL", "pods",
 "kubelet", "eigenvalue" are rarer in everyday English than the words of an everyday question
 or a generic instruction of the same length. The input is the mean Zipf frequency
-(log10 of a word's occurrences per billion words) of the alphabetic words the static head
+(log10 of a word's occurrences per billion words) of the words of letters the static head
 reads of a text (``routing.static_head.words`` of its ``window``): around 5.5 for everyday
 questions, lower for technical asks, lowest for code, whose identifiers are no English words.
 The heads weigh its ``offset`` from ``EVERYDAY_ZIPF``, so that the part it adds to a logit
@@ -12,11 +12,16 @@ reads as it moves the score (``wf+0.9``: rarer words than everyday text's).
 Measured on held-out sources, it moves real users' hard prompts most
 (bench/results/classifier.md, docs/routing.md).
 
-The frequencies are wordfreq's English list (Robyn Speer, https://github.com/rspeer/wordfreq),
-kept in ``routing/data/word-frequency.json`` for the words at or above ``min_zipf``, to one
-decimal; every other word counts ``floor``. The data is wordfreq's, under the Creative
-Commons Attribution-ShareAlike 4.0 licence, which the file carries; it is rebuilt by
-``scripts/build_word_frequency.py``.
+The frequencies are wordfreq's (Robyn Speer, https://github.com/rspeer/wordfreq): English's,
+and those of the other most used languages written in the Latin alphabet, a word counting its
+highest (an everyday question in Spanish is not rare English), kept in
+``routing/data/word-frequency.json`` for the words at or above ``min_zipf``, to one decimal;
+every other word counts ``floor``. Only words of ASCII letters (accents stripped) are read:
+a text in another script (Cyrillic, Chinese) gets nothing from this input, where its every
+word would otherwise count as rare. Words of a Latin-script language not in the table
+(Polish, Turkish, Vietnamese...) do count as rare, and push a prompt up. The data is
+wordfreq's, under the Creative Commons Attribution-ShareAlike 4.0 licence, which the file
+carries; it is rebuilt by ``scripts/build_word_frequency.py``.
 
 Cost: one dictionary lookup per word of the window (at most ``HEAD_CHARS + TAIL_CHARS``
 characters), a few microseconds.
@@ -34,7 +39,7 @@ from routing.data_file import read_data_file
 FORMAT = 1
 DEFAULT_WORD_FREQUENCY = "word-frequency.json"
 # About the mean Zipf frequency of everyday text's words: the heads' input is the offset from
-# it, and a text with no alphabetic word ("2+2=?", a bare code symbol) counts it (offset 0).
+# it, and a text with no word it reads ("2+2=?", a bare code symbol, Chinese) counts it (offset 0).
 EVERYDAY_ZIPF = 5.0
 
 
@@ -50,12 +55,13 @@ class WordFrequency:
     floor: float
 
     def mean_zipf(self, read: Iterable[str]) -> float:
-        """The mean Zipf frequency of the alphabetic words among ``read`` (``EVERYDAY_ZIPF`` if none)."""
+        """The mean Zipf frequency of the words of ASCII letters among ``read`` (``EVERYDAY_ZIPF``
+        if none): the table knows no other script, and a word it cannot judge says nothing."""
         total = 0.0
         n = 0
         get, floor = self.zipf.get, self.floor
         for word in read:
-            if word.isalpha():
+            if word.isascii() and word.isalpha():
                 total += get(word, floor)
                 n += 1
         return total / n if n else EVERYDAY_ZIPF

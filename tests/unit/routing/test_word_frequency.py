@@ -32,6 +32,27 @@ def test_mean_zipf_counts_alphabetic_words_only_and_unknown_ones_at_the_floor() 
     assert frequency.offset(["qqzxv"]) == frequency.floor - EVERYDAY_ZIPF < 0
 
 
+def test_only_words_of_ascii_letters_are_read() -> None:
+    """Another script's words are not in the table; counted, each would read as rare and push
+    every Russian or Chinese prompt up. They say nothing instead."""
+    frequency = default_word_frequency()
+    assert frequency.offset(read_words("Как приготовить борщ?")) == 0.0
+    assert frequency.offset(read_words("法国的首都是哪里?")) == 0.0
+    # Mixed: only the ASCII words count.
+    mixed = read_words("Напиши скрипт для samba")
+    assert frequency.mean_zipf(mixed) == frequency.mean_zipf(["samba"])
+
+
+def test_everyday_questions_in_other_latin_script_languages_read_as_common() -> None:
+    frequency = default_word_frequency()
+    for text in (
+        "¿Cuál es la capital de Francia?",
+        "Quelle est la meilleure façon de se faire des amis ?",
+        "Wie spät ist es in Tokio?",
+    ):
+        assert frequency.offset(read_words(text)) > 0.5, text
+
+
 def test_technical_asks_read_rarer_than_everyday_questions() -> None:
     frequency = default_word_frequency()
     samba = frequency.mean_zipf(read_words("write a shellscript configuration samba server"))
@@ -45,6 +66,7 @@ def test_the_shipped_table_says_whose_data_it_is_and_keeps_common_words_only() -
     frequency = default_word_frequency()
     assert frequency.floor == data["floor"] < data["min_zipf"] <= min(frequency.zipf.values())
     assert all(word.isascii() and word.isalpha() and word == word.lower() for word in frequency.zipf)
+    assert "wordfreq" in data["source"] and all(language in data["source"] for language in ("en", "es", "de"))
     assert len(frequency.zipf) > 20000
 
 
