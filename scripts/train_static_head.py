@@ -81,7 +81,7 @@ def distil(model_dir: Path | None = None) -> tuple[list[str], np.ndarray, str]:
 @dataclass(frozen=True, slots=True)
 class StaticInputs:
     """The regression's inputs of every prompt: the unit vector, log length, characters per
-    piece, the words' mean Zipf frequency."""
+    piece, the words' frequency (``WordFrequency.offset``)."""
 
     x: np.ndarray
 
@@ -91,10 +91,9 @@ class StaticInputs:
         frequency = default_word_frequency()
         for p in prompts:
             read = window(p.text)
-            in_words = words(read)
             ids = head.pieces(read)
             per_piece = chars_per_piece(len(ids), len(read))
-            rows.append([*head.vector(ids), np.log1p(len(p.text)), per_piece, frequency.offset(in_words)])
+            rows.append([*head.vector(ids), np.log1p(len(p.text)), per_piece, frequency.offset(words(read))])
         return cls(np.asarray(rows, dtype=np.float64))
 
 
