@@ -27,8 +27,9 @@ Every contribution keeps its feature, so a decision explains itself: the reasons
 features (or the static head's word pieces) that moved the score most, either way, ``+``
 towards the large tier, ``-`` towards the small.
 
-Without a vector the static head decides; the header names it and its pieces:
-``score=0.79; static; +t:0,+t:2,+t:x``. With a sentence embedding of the instruction
+Without a vector the static head decides; the header names it and its pieces, and the words'
+frequency when it is among the parts that moved the score most (``+wf:rare``: rarer words than
+everyday text's; ``-wf:common``): ``score=0.79; static; +t:0,+t:2,+t:x``. With a sentence embedding of the instruction
 (``vector``, the semantic cache's), the embedding head (``routing.embedding_head``) decides
 instead; the header names it and the parts of its logit:
 ``score=0.81; embedding(emb+1.52,len+2.10,cpt-0.35); none`` (after ``none``, the n-gram
@@ -103,8 +104,8 @@ EMBEDDING = "embedding"
 @dataclass(frozen=True, slots=True)
 class Classification:
     """The chosen tier, the score, the head that decided, and the features that moved the
-    score most (largest first): the static head's word pieces, or the n-gram features the
-    embedding head weighed.
+    score most (largest first): the static head's word pieces and words' frequency, or the
+    n-gram features the embedding head weighed.
 
     ``detail``: for the embedding head, the parts of its logit (``emb+1.52,ngram+0.40``); for
     the static head, why the embedding head did not decide when it was asked to (``timeout``),
@@ -256,7 +257,10 @@ def classify_text(
     s = static or default_static_head()
     static_parts = s.logit(text, reasons=4 * MAX_REASONS)
     score = s.score(static_parts.total)
-    reasons = _reasons([("t:" + piece, part) for piece, part in static_parts.pieces])
+    # The words' frequency competes with the pieces for a place among the reasons: it is
+    # centred on everyday text, so its part says how far it moved the score (``+wf:rare``).
+    frequency = ("wf:rare" if static_parts.word_zipf > 0 else "wf:common", static_parts.word_zipf)
+    reasons = _reasons([("t:" + piece, part) for piece, part in static_parts.pieces] + [frequency])
     return Classification(_tier_for(score, tiers), round(score, 3), reasons, STATIC, fallback)
 
 

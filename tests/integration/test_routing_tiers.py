@@ -67,7 +67,8 @@ async def test_auto_goes_to_the_tier_of_its_score(tmp_path: Path) -> None:
             assert hard.json()["model"] == "large-m"
             assert hard.headers["x-fleetgate-tier"] == "large"
             route = hard.headers["x-fleetgate-route"]
-            # The reasons are the word pieces that moved the score most (``+`` towards large).
+            # The reasons are the word pieces (and the words' frequency) that moved the score most
+            # (``+`` towards large).
             assert route.startswith("score=") and "; static; " in route and "+t:" in route
             line = access_lines(access)[-1]
             assert line["tier"] == "large" and line["tier_reason"] == "classified"

@@ -60,18 +60,25 @@ def test_hand_written_prompts_are_ranked_and_tiered() -> None:
     assert sum(c.tier == "small" for c in easy) / len(easy) >= 0.8
 
 
-def test_reasons_are_the_word_pieces_that_moved_the_score() -> None:
+def test_reasons_are_the_word_pieces_and_the_words_frequency_that_moved_the_score() -> None:
     text = "Compute the integral of x^2 * sin(x) dx from 0 to pi."
     c = classify(user(text))
     assert c.tier == "large" and c.head == "static"
-    assert c.reasons and all(r[0] in "+-" and r[1:].startswith("t:") for r in c.reasons)
     assert c.header() == f"score={c.score:.2f}; static; {','.join(c.reasons)}"
-    parts = default_static_head().logit(text)
-    piece, part = parts.pieces[0]  # the largest part either way
-    assert c.reasons[0] == ("+" if part > 0 else "-") + "t:" + piece
+    parts = default_static_head().logit(text, reasons=12)
     assert [abs(v) for _, v in parts.pieces] == sorted((abs(v) for _, v in parts.pieces), reverse=True)
+    # The three largest parts either way, among the pieces' and the words' frequency's.
+    frequency = ("wf:rare" if parts.word_zipf > 0 else "wf:common", parts.word_zipf)
+    candidates = [("t:" + piece, part) for piece, part in parts.pieces] + [frequency]
+    top = sorted(candidates, key=lambda kv: abs(kv[1]), reverse=True)[:3]
+    assert c.reasons == tuple(("+" if part > 0 else "-") + name for name, part in top)
     easy = classify(user("What is the capital of France?"))
     assert easy.tier == "small" and easy.head == "static"
+    # A text in a Latin-script language the table does not hold reads as rare words, and the
+    # header says that is what moved it.
+    polish = classify(user("Jak ugotować barszcz czerwony?"))
+    assert polish.reasons[0] == "+wf:rare"
+    assert classify(user("What is the best way to make new friends?")).reasons[0] == "-wf:common"
 
 
 def test_reasons_are_header_safe() -> None:
