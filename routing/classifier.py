@@ -28,11 +28,11 @@ features (or the static head's word pieces) that moved the score most, either wa
 towards the large tier, ``-`` towards the small.
 
 Without a vector the static head decides; the header names it and its pieces, and the words'
-frequency when it is among the parts that moved the score most (``+wf:rare``: rarer words than
-everyday text's; ``-wf:common``): ``score=0.79; static; +t:0,+t:2,+t:x``. With a sentence embedding of the instruction
-(``vector``, the semantic cache's), the embedding head (``routing.embedding_head``) decides
-instead; the header names it and the parts of its logit:
-``score=0.81; embedding(emb+1.52,len+2.10,cpt-0.35); none`` (after ``none``, the n-gram
+frequency when it is among the parts that moved the score most (``+wf:rare``: rarer words
+than everyday text's; ``-wf:common``): ``score=0.79; static; +t:0,+t:2,+t:x``. With a
+sentence embedding of the instruction (``vector``, the semantic cache's), the embedding head
+(``routing.embedding_head``) decides instead; the header names it and the parts of its logit:
+``score=0.81; embedding(emb+1.52,len+2.10,cpt-0.35,wf+0.40); none`` (after ``none``, the n-gram
 features of a head that weighs the n-gram logit: ``w:`` a word, ``b:`` a word pair, ``s:``
 symbols).
 
