@@ -345,7 +345,7 @@ def word_zipf_of(prompts: Sequence[Prompt]) -> np.ndarray:
 @dataclass(frozen=True, slots=True)
 class TextInputs:
     """The head's inputs besides the vector, of every prompt: length in characters,
-    ``chars_per_token`` of the model's window, the words' mean Zipf frequency."""
+    ``chars_per_token`` of the model's window, the words' frequency (``word_zipf_of``)."""
 
     lengths: np.ndarray
     per_token: np.ndarray

@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 
 from bench.classifier_data import HARD, Prompt, load
-from routing.static_head import DEFAULT_STATIC, FORMAT, StaticHead, chars_per_piece, encode_table, window, words
-from routing.word_frequency import default_word_frequency
+from routing.static_head import DEFAULT_STATIC, FORMAT, StaticHead, chars_per_piece, encode_table, window
 from scripts.train_classifier import (
     HEAD_CALIBRATION_PROTOCOL,
     HEAD_EASY_QUANTILE,
@@ -43,6 +42,7 @@ from scripts.train_classifier import (
     calibration,
     group_weights,
     logits_out_of_fold,
+    word_zipf_of,
 )
 
 STATIC_OUT = OUT.with_name(DEFAULT_STATIC)
@@ -88,12 +88,10 @@ class StaticInputs:
     @classmethod
     def of(cls, head: StaticHead, prompts: Sequence[Prompt]) -> StaticInputs:
         rows = []
-        frequency = default_word_frequency()
-        for p in prompts:
+        for p, zipf in zip(prompts, word_zipf_of(prompts), strict=True):
             read = window(p.text)
             ids = head.pieces(read)
-            per_piece = chars_per_piece(len(ids), len(read))
-            rows.append([*head.vector(ids), np.log1p(len(p.text)), per_piece, frequency.offset(words(read))])
+            rows.append([*head.vector(ids), np.log1p(len(p.text)), chars_per_piece(len(ids), len(read)), zipf])
         return cls(np.asarray(rows, dtype=np.float64))
 
 
