@@ -13,15 +13,16 @@ Measured on held-out sources, it moves real users' hard prompts most
 (bench/results/classifier.md, docs/routing.md).
 
 The frequencies are wordfreq's (Robyn Speer, https://github.com/rspeer/wordfreq): English's,
-and those of the other most used languages written in the Latin alphabet, a word counting its
-highest (an everyday question in Spanish is not rare English), kept in
-``routing/data/word-frequency.json`` for the words at or above ``min_zipf``, to one decimal;
-every other word counts ``floor``. Only words of ASCII letters (accents stripped) are read:
-a text in another script (Cyrillic, Chinese) gets nothing from this input, where its every
-word would otherwise count as rare. Words of a Latin-script language not in the table
-(Polish, Turkish, Vietnamese...) do count as rare, and push a prompt up. The data is
-wordfreq's, under the Creative Commons Attribution-ShareAlike 4.0 licence, which the file
-carries; it is rebuilt by ``scripts/build_word_frequency.py``.
+and those of the 26 other languages written in the Latin alphabet it has lists for, a word
+counting its highest (an everyday question in Spanish or Polish is not rare English), kept in
+``routing/data/word-frequency.json`` for the words at or above its language's ``min_zipf``
+(3 in the seven most used, 4 in the rest), to one decimal; every other word counts ``floor``.
+Only words of ASCII letters (accents stripped) are read: a text in another script (Cyrillic,
+Chinese) gets nothing from this input, where its every word would otherwise count as rare.
+Words of a Latin-script language with no list (Estonian, Basque, Welsh, Albanian...) do count
+as rare, and push a prompt up. The data is wordfreq's, under the Creative Commons
+Attribution-ShareAlike 4.0 licence, which the file carries; it is rebuilt by
+``scripts/build_word_frequency.py``.
 
 Cost: one dictionary lookup per word of the window (at most ``HEAD_CHARS + TAIL_CHARS``
 characters), a few microseconds.

@@ -74,10 +74,10 @@ def test_reasons_are_the_word_pieces_and_the_words_frequency_that_moved_the_scor
     assert c.reasons == tuple(("+" if part > 0 else "-") + name for name, part in top)
     easy = classify(user("What is the capital of France?"))
     assert easy.tier == "small" and easy.head == "static"
-    # A text in a Latin-script language the table does not hold reads as rare words, and the
-    # header says that is what moved it.
-    polish = classify(user("Jak ugotować barszcz czerwony?"))
-    assert polish.reasons[0] == "+wf:rare"
+    # A text in a Latin-script language the table does not hold (Estonian) reads as rare
+    # words, and the header says that is what moved it.
+    estonian = classify(user("Kuidas keeta punast borši?"))
+    assert estonian.reasons[0] == "+wf:rare"
     assert classify(user("What is the best way to make new friends?")).reasons[0] == "-wf:common"
 
 
