@@ -46,6 +46,7 @@ import functools
 import itertools
 import math
 import re
+import urllib.parse
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,8 @@ REASON_MIN = 0.02
 _DIGITS = re.compile(r"\d")
 _WORD = re.compile(r"[^\W_]+")
 _SYMBOLS = re.compile(r"[^\w\s]{1,3}")
-_HEADER_UNSAFE = re.compile(r"[^\x21-\x7e]|[,;\"\\]")
+# Shown percent-encoded in a reason: what a header cannot carry, the header's separators, "%".
+_HEADER_UNSAFE = re.compile(r"[^\x21-\x7e]|[,;\"\\%]")
 
 
 class ClassifierModelError(ValueError):
@@ -318,10 +320,16 @@ def _magnitude(contribution: tuple[str, float]) -> float:
 
 @functools.lru_cache(maxsize=8192)
 def _header_safe(feature: str) -> str:
-    """A feature as header-safe ASCII (spaces shown as ``_``), or "" when nothing printable is left."""
+    """A feature as header-safe ASCII: spaces shown as ``_``, other characters outside
+    printable ASCII and the header's separators percent-encoded as in a URL (``t:%E5%B9%B3``
+    is the piece "平"); "" for a feature with no text."""
     kind, _, text = feature.partition(":")
-    shown = _HEADER_UNSAFE.sub("", text.replace(" ", "_")).strip("_")
+    shown = _HEADER_UNSAFE.sub(_percent_encoded, text.replace(" ", "_").strip("_"))
     return f"{kind}:{shown}" if shown else ""
+
+
+def _percent_encoded(match: re.Match[str]) -> str:
+    return urllib.parse.quote(match.group(), safe="")
 
 
 def content_text(content: Any) -> str:

@@ -9,6 +9,7 @@ they (or scikit-learn, the ``train`` extra) are absent.
 from __future__ import annotations
 
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from routing.classifier import (
     ClassifierModelError,
     LinearModel,
     TierRange,
+    _header_safe,
     classify,
     classify_text,
     default_model,
@@ -86,6 +88,15 @@ def test_reasons_are_header_safe() -> None:
     for reason in c.reasons:
         assert reason.isascii() and not any(ch in reason for ch in ' ,;"\\\r\n')
     c.header().encode("latin-1")
+
+
+def test_reasons_show_pieces_of_other_scripts_percent_encoded() -> None:
+    """A Cyrillic or Chinese piece is shown as a URL would carry it, not cut down to ``##``."""
+    text = "Почему небо голубое?"
+    c = classify(user(text))
+    pieces = [urllib.parse.unquote(reason[len("+t:") :]) for reason in c.reasons if reason[1:3] == "t:"]
+    assert pieces and all(piece.strip("#") and piece.strip("#") in text.lower() for piece in pieces), c.reasons
+    assert [_header_safe(f) for f in ("t:平", "s:,", "s:%", "w:a b")] == ["t:%E5%B9%B3", "s:%2C", "s:%25", "w:a_b"]
 
 
 def test_only_the_latest_user_message_is_scored() -> None:
