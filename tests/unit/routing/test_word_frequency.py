@@ -56,7 +56,7 @@ def test_everyday_questions_in_other_latin_script_languages_read_as_common() -> 
 
 # Everyday questions in Latin-script languages past the seven most used: before their common
 # words were in the table, each read as rare English and the static head sent it large
-# (0.66-0.88).
+# (0.62-0.88).
 EVERYDAY_ELSEWHERE = (
     "Jaka jest stolica Francji?",  # Polish
     "Kilo vermek için ne yemeliyim?",  # Turkish
