@@ -40,6 +40,7 @@ OTHER_LANGUAGES = (
     "ms", "nb", "pl", "ro", "sh", "sk", "sl", "sv", "tr", "vi",
 )  # fmt: skip
 OTHER_MIN_ZIPF = 4.0
+MIN_ZIPF_BY_LANGUAGE = {**dict.fromkeys(LANGUAGES, MIN_ZIPF), **dict.fromkeys(OTHER_LANGUAGES, OTHER_MIN_ZIPF)}
 FLOOR = 2.0
 LICENSE = (
     "Word frequencies from wordfreq by Robyn Speer (https://github.com/rspeer/wordfreq), "
@@ -49,16 +50,12 @@ LICENSE = (
 )
 
 
-def min_zipf_by_language() -> dict[str, float]:
-    return {**dict.fromkeys(LANGUAGES, MIN_ZIPF), **dict.fromkeys(OTHER_LANGUAGES, OTHER_MIN_ZIPF)}
-
-
 def table() -> dict[str, str]:
     """Zipf value (one decimal, as text) -> the words that have it, sorted, space-separated."""
     import wordfreq
 
     best: dict[str, float] = {}
-    for language, min_zipf in min_zipf_by_language().items():
+    for language, min_zipf in MIN_ZIPF_BY_LANGUAGE.items():
         for listed, frequency in wordfreq.get_frequency_dict(language, wordlist="best").items():
             zipf = round(math.log10(frequency) + 9, 1)
             if zipf < min_zipf:
@@ -80,9 +77,9 @@ def main() -> None:
     listed = table()
     data = {
         "format": FORMAT,
-        "source": f"wordfreq {metadata.version('wordfreq')}, wordlist 'best' of {', '.join(min_zipf_by_language())}",
+        "source": f"wordfreq {metadata.version('wordfreq')}, wordlist 'best' of {', '.join(MIN_ZIPF_BY_LANGUAGE)}",
         "license": LICENSE,
-        "min_zipf": min_zipf_by_language(),
+        "min_zipf": MIN_ZIPF_BY_LANGUAGE,
         "floor": FLOOR,
         "words": listed,
     }
