@@ -1,6 +1,7 @@
 """The admin API: look at the fleet, drain and undrain replicas (admin key required).
 
-GET  /admin/fleet                     every replica: state, load, scraped vLLM gauges
+GET  /admin/fleet                     every replica: state, its probe and how the last one went
+                                      (why it is down), load, scraped vLLM gauges
 POST /admin/replicas/{id}/drain       stop routing new requests to it
 POST /admin/replicas/{id}/undrain     route to it again (once its probes pass)
 """

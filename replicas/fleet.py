@@ -25,9 +25,13 @@ from replicas.config import HealthSettings, KubernetesSource, ModelReplicas, Rep
 from replicas.credentials import CredentialError, upstream_headers
 from replicas.health import HealthChecker
 from replicas.launcher import LaunchSpec, ManagedProcess, free_port
+from replicas.readiness import fleet_state_known
 from replicas.replica import ProbeKind, Replica, ReplicaState
 
 log = logging.getLogger("fleetgate.fleet")
+
+# How often the waits below look at the fleet: a small fraction of a health interval.
+_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +117,8 @@ class Fleet:
         self._discovered_as: list[_Upstream] = []
         # Replica ids each discovery source (model, index in `discovery`) added.
         self._owned: dict[tuple[str, int], set[str]] = {}
+        # Discovery sources (index in `discovery`) whose first list has arrived.
+        self._listed: set[int] = set()
         self._discovery_tasks: list[asyncio.Task[None]] = []
         self._models = {m.name: m for m in models}
         for model in models:
@@ -186,6 +192,7 @@ class Fleet:
         first good probe. Removed replicas leave the rotation at once; requests already
         on them finish (their claims hold the replica).
         """
+        self._listed.add(source)
         current = self.by_model[model]
         owned = self._owned.setdefault((model, source), set())
         known = {r.id: r for r in current if r.id in owned}
@@ -238,14 +245,32 @@ class Fleet:
         self._health_task = asyncio.create_task(self.checker.run(self.all), name="health")
         return self
 
+    @property
+    def state_known(self) -> bool:
+        """Whether the fleet's state is known yet (``replicas.readiness``): what the
+        gateway's readiness waits for at start."""
+        return fleet_state_known(self.by_model, unlisted_sources=len(self.discovery) - len(self._listed))
+
+    async def wait_known(self, timeout_s: float) -> bool:
+        """Wait until ``state_known``; False on timeout."""
+        return await self._until(lambda: self.state_known, timeout_s)
+
     async def wait_healthy(self, timeout_s: float, *, every: bool = False) -> bool:
         """Wait until one (or every) replica is routable; False on timeout."""
+
+        def healthy() -> bool:
+            n = self.healthy_count()
+            return (every and n == len(self.all())) or (not every and n > 0)
+
+        return await self._until(healthy, timeout_s)
+
+    async def _until(self, check: Callable[[], bool], timeout_s: float) -> bool:
+        # Polled: the health loop, the launcher and discovery change the state and signal nobody.
         deadline = self.clock() + timeout_s
         while self.clock() < deadline:
-            n = self.healthy_count()
-            if (every and n == len(self.all())) or (not every and n > 0):
+            if check():
                 return True
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(_POLL_S)
         return False
 
     async def drain_all(self, grace_s: float) -> None:

@@ -1,12 +1,13 @@
 """Active health checks: probe each replica the way its source says, and scrape ``/metrics``.
 
 A replica is healthy when its probe answers (``/health``, or ``/v1/models`` for upstreams
-without it); ``failures_to_down`` consecutive failed probes take it out of rotation and one
-good probe brings it back. A probe that times out while the replica is visibly streaming
-to this gateway is not counted (``counts_against``). ``/metrics`` is optional; what vLLM
-reports there about its own load (running and waiting requests, KV-cache use, prefix-cache
-hits, preemptions) is kept on the replica, since other gateway processes send it work this
-one cannot see.
+without it: set so, or found so when ``/health`` answers 404, ``fallback_probe``);
+``failures_to_down`` consecutive failed probes take it out of rotation and one good probe
+brings it back; each replica keeps its last probe's result, which says why it is down. A
+probe that times out while the replica is visibly streaming to this gateway is not counted
+(``counts_against``). ``/metrics`` is optional; what vLLM reports there about its own load
+(running and waiting requests, KV-cache use, prefix-cache hits, preemptions) is kept on the
+replica, since other gateway processes send it work this one cannot see.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from replicas.replica import (
     GAUGE_RUNNING,
     GAUGE_WAITING,
     PROBE_PATHS,
+    ProbeKind,
+    ProbeResult,
     Replica,
     ReplicaState,
 )
@@ -100,6 +103,33 @@ class Probe(StrEnum):
     FAILED = "failed"
 
 
+# "Not Found": the server answers, but has no such path.
+NOT_FOUND = 404
+
+
+def outcome_of(result: ProbeResult) -> Probe:
+    """The health verdict of one probe: only a 200 is an answer that the replica is up."""
+    if result.status is not None:
+        return Probe.OK if result.status == 200 else Probe.FAILED
+    if result.error == "late":
+        return Probe.LATE
+    return Probe.TIMEOUT if result.error == "timeout" else Probe.FAILED
+
+
+def fallback_probe(replica: Replica, result: ProbeResult) -> ProbeKind | None:
+    """The probe to use instead, when ``/health`` is not there: ``models``, else None.
+
+    Many OpenAI-compatible servers have no ``/health`` (hosted APIs, keyed proxies, older
+    llama.cpp builds) and answer it 404; they do answer ``GET /v1/models``. Only a 404 says
+    the path is missing: a timeout, a refusal or a 5xx says nothing about it. A managed
+    replica is vLLM or the simulator, which have ``/health``: a 404 there is no reason to
+    look elsewhere.
+    """
+    if replica.probe == "health" and not replica.managed and result.status == NOT_FOUND:
+        return "models"
+    return None
+
+
 def counts_against(replica: Replica, outcome: Probe, now: float, progress_window_s: float) -> bool:
     """Whether a failed probe counts towards taking the replica down.
 
@@ -119,6 +149,15 @@ def counts_against(replica: Replica, outcome: Probe, now: float, progress_window
     last = replica.last_progress_at
     working = replica.outstanding_requests > 0 and last is not None and now - last <= progress_window_s
     return not working
+
+
+# Enough of a connection error's text to say what failed (its address and errno).
+_ERROR_CHARS = 200
+
+
+def _describe(exc: aiohttp.ClientError) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}"[:_ERROR_CHARS] if text else type(exc).__name__
 
 
 class HealthChecker:
@@ -156,21 +195,35 @@ class HealthChecker:
         path = PROBE_PATHS.get(replica.probe)
         if path is None:
             return True
-        headers = replica.upstream_headers
+        result = await self._get(replica, path)
+        fallback = fallback_probe(replica, result)
+        if fallback is not None:
+            replica.probe = fallback  # for good: logged once per replica
+            log.warning(
+                "replica has no /health (404): probing it with GET /v1/models instead",
+                extra={"replica": replica.id, "url": replica.base_url, "probe": fallback},
+            )
+            result = await self._get(replica, PROBE_PATHS[fallback])
+        outcome = outcome_of(result)
+        if outcome is Probe.OK and replica.scrape_metrics:
+            await self._scrape(replica)
+        replica.last_probe = result
+        self._apply(replica, outcome, self._clock())
+        return outcome is Probe.OK
+
+    async def _get(self, replica: Replica, path: str) -> ProbeResult:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            async with self._session.get(replica.base_url + path, headers=headers, timeout=self._timeout) as resp:
-                outcome = Probe.OK if resp.status == 200 else Probe.FAILED
+            async with self._session.get(
+                replica.base_url + path, headers=replica.upstream_headers, timeout=self._timeout
+            ) as resp:
                 await resp.read()
+                return ProbeResult(path, resp.status)
         except TimeoutError:
-            outcome = Probe.LATE if loop.time() - started > self._late_after_s else Probe.TIMEOUT
-        except aiohttp.ClientError:
-            outcome = Probe.FAILED
-        if outcome is Probe.OK and replica.scrape_metrics:
-            await self._scrape(replica)
-        self._apply(replica, outcome, self._clock())
-        return outcome is Probe.OK
+            return ProbeResult(path, None, "late" if loop.time() - started > self._late_after_s else "timeout")
+        except aiohttp.ClientError as exc:
+            return ProbeResult(path, None, _describe(exc))
 
     async def _scrape(self, replica: Replica) -> None:
         """Take the replica's gauges; an upstream without /metrics reports none."""

@@ -38,6 +38,40 @@ GAUGE_KV_CAPACITY_TOKENS = "kv_capacity_tokens"
 ProbeKind = Literal["health", "models", "none"]
 PROBE_PATHS: dict[str, str] = {"health": "/health", "models": "/v1/models"}
 
+# The statuses a last probe's reason names one by one: each points at a setting to fix (the
+# key, the probe's path). Any other status is named by its class, so the label set is bounded.
+_NAMED_STATUSES = frozenset({401, 403, 404})
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """How a replica's last active probe went: why it is in rotation or out of it.
+
+    ``status`` is the answer's HTTP status, None when there was none; then ``error`` says
+    why: "timeout", "late" (the gateway's own loop was held up: no verdict) or what the
+    connection said. ``reason`` is the same in a bounded set, for a metric label.
+    """
+
+    path: str
+    status: int | None
+    error: str | None = None
+
+    @property
+    def reason(self) -> str:
+        """One of: ok, http_401, http_403, http_404, http_4xx, http_5xx, http_other, timeout,
+        late, error."""
+        status = self.status
+        if status is None:
+            return self.error if self.error in ("timeout", "late") else "error"
+        if status == 200:
+            return "ok"
+        if status in _NAMED_STATUSES:
+            return f"http_{status}"
+        return f"http_{status // 100}xx" if status // 100 in (4, 5) else "http_other"
+
+    def snapshot(self) -> dict[str, object]:
+        return {"path": self.path, "status": self.status, "error": self.error, "reason": self.reason}
+
 
 class ReplicaState(StrEnum):
     STARTING = "starting"
@@ -87,6 +121,8 @@ class Replica:
     # own loop was held up (``health.LATE_S``), are counted in ``excused_probe_timeouts``.
     last_progress_at: float | None = None
     excused_probe_timeouts: int = 0
+    # The last active probe (None: not probed yet); /admin/fleet and the metrics say why from it.
+    last_probe: ProbeResult | None = None
 
     def observe(self, gauges: dict[str, float]) -> None:
         """Take a scrape of the replica's /metrics.
@@ -107,6 +143,14 @@ class Replica:
         self.foreign_requests = max(0.0, running + waiting - self.outstanding_requests)
         # Our streamed requests not yet prefilled are the ones of ours that can be waiting.
         self.foreign_waiting = max(0.0, waiting - self.prefill_requests)
+
+    @property
+    def probed(self) -> bool:
+        """Whether an active probe has given its verdict on the replica (always, for one
+        that is not probed): until then its state is the one it started with, not news."""
+        if self.probe == "none":
+            return True
+        return self.last_probe is not None and self.last_probe.error != "late"
 
     def routable(self, now: float) -> bool:
         """Healthy, and its breaker would let a request through (closed, or the trial is free)."""
@@ -131,6 +175,7 @@ class Replica:
             "pid": self.pid,
             "probe": self.probe,
             "probe_failures": self.probe_failures,
+            "last_probe": self.last_probe.snapshot() if self.last_probe is not None else None,
             "excused_probe_timeouts": self.excused_probe_timeouts,
             "gauges": dict(self.gauges),
         }

@@ -3,6 +3,7 @@ running gateway's /metrics, and /metrics and /admin/* live where the config puts
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,9 @@ def test_metrics_and_admin_live_on_the_admin_port_behind_a_key(tmp_path: Path) -
 
 
 async def test_no_healthy_replica_keeps_the_pod_ready_and_answers_503(tmp_path: Path) -> None:
-    """Readiness is "this process can answer": a fleet with no live replica must not take the
-    gateway out of its Service, or clients get connection errors instead of a 503."""
+    """Once the fleet's state is known, readiness is "this process can answer": a fleet with no
+    live replica must not take the gateway out of its Service, or clients get connection
+    errors instead of a 503."""
     from aiohttp import ClientSession
 
     from gateway.app import Gateway, create_app
@@ -121,6 +123,10 @@ async def test_no_healthy_replica_keeps_the_pod_ready_and_answers_503(tmp_path: 
     )
     gateway = Gateway(settings, log_dir=tmp_path / "logs")
     async with serve_app(create_app(gateway)) as url, ClientSession() as http:
+        # Ready once its first probe has come back (refused): known down is known.
+        async with asyncio.timeout(30):
+            while not gateway.ready:  # noqa: ASYNC110 (set by the gateway's start-up task)
+                await asyncio.sleep(0.01)
         async with http.get(f"{url}/readyz") as r:
             assert r.status == 200 and (await r.json())["healthy_replicas"] == 0
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from common.breaker import BreakerConfig, BreakerState, CircuitBreaker
-from replicas.health import HealthChecker, Probe, counts_against, parse_vllm_metrics
-from replicas.replica import GAUGE_KV_CAPACITY_TOKENS, Replica, ReplicaState
+from replicas.health import HealthChecker, Probe, counts_against, fallback_probe, outcome_of, parse_vllm_metrics
+from replicas.replica import GAUGE_KV_CAPACITY_TOKENS, ProbeResult, Replica, ReplicaState
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -138,3 +138,35 @@ def test_a_busy_replica_survives_probe_timeouts_a_silent_one_does_not() -> None:
     for t in (30.0, 31.0, 32.0):
         checker._apply(r, Probe.TIMEOUT, t)
     assert r.state is ReplicaState.DOWN and r.probe_failures == 3
+
+
+def test_a_probe_result_says_why_in_a_bounded_set() -> None:
+    cases = {
+        ProbeResult("/health", 200): ("ok", Probe.OK),
+        ProbeResult("/health", 401): ("http_401", Probe.FAILED),
+        ProbeResult("/v1/models", 404): ("http_404", Probe.FAILED),
+        ProbeResult("/health", 429): ("http_4xx", Probe.FAILED),
+        ProbeResult("/health", 503): ("http_5xx", Probe.FAILED),
+        ProbeResult("/health", 204): ("http_other", Probe.FAILED),
+        ProbeResult("/health", None, "timeout"): ("timeout", Probe.TIMEOUT),
+        ProbeResult("/health", None, "late"): ("late", Probe.LATE),
+        ProbeResult("/health", None, "ClientConnectorError: refused"): ("error", Probe.FAILED),
+    }
+    for result, (reason, outcome) in cases.items():
+        assert (result.reason, outcome_of(result)) == (reason, outcome), result
+
+
+def test_only_a_404_from_health_of_an_external_replica_falls_back_to_models() -> None:
+    _, managed = make()
+    external = Replica("x", "http://x", "m", "t", "m", False, CircuitBreaker(BreakerConfig(3, 5.0)))
+    assert fallback_probe(external, ProbeResult("/health", 404)) == "models"
+    for result in (
+        ProbeResult("/health", 503),
+        ProbeResult("/health", 401),
+        ProbeResult("/health", None, "timeout"),
+        ProbeResult("/health", None, "ClientConnectorError: refused"),
+    ):
+        assert fallback_probe(external, result) is None, result
+    assert fallback_probe(managed, ProbeResult("/health", 404)) is None  # vLLM and the simulator have /health
+    external.probe = "models"
+    assert fallback_probe(external, ProbeResult("/v1/models", 404)) is None  # nothing further to try
