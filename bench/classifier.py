@@ -13,7 +13,7 @@ scored by the one model that read neither (``pairs_held_out``): the shipped mode
 sources it never saw, with no pooling of two models' logits. Four classifiers: the static
 head (``routing.static_head``, ``scripts/train_static_head.py``), the n-gram model it
 replaced (the baseline), the embedding head (``routing.embedding_head``, its recipe
-``scripts.train_classifier.HeadRecipe``), and the two heads as the gateway mixes them when
+``bench.classifier_training.HeadRecipe``), and the two heads as the gateway mixes them when
 the semantic cache is what embeds (``embedding: auto``): the embedding head for texts the
 cache embeds (at most ``cache.semantic.max_text_chars``), the static head for longer ones.
 Reported on the
@@ -45,17 +45,7 @@ import numpy as np
 
 from bench.classifier_data import EASY, HARD, MIDDLE, Prompt, available, data_dir, load
 from bench.classifier_keywords import keyword_score
-from routing.classifier import (
-    DEFAULT_TIERS,
-    LinearModel,
-    classify,
-    default_model,
-    features,
-    instruction,
-)
-from routing.embedding_head import EmbeddingHead, default_head, embedding_text
-from routing.static_head import HEAD_CHARS, TAIL_CHARS, StaticHead, default_static_head
-from scripts.train_classifier import (
+from bench.classifier_training import (
     CALIBRATION_PROTOCOL,
     HEAD_CALIBRATION_PROTOCOL,
     HEAD_EASY_QUANTILE,
@@ -71,9 +61,19 @@ from scripts.train_classifier import (
     train_final,
     train_final_head,
 )
-from scripts.train_static_head import StaticInputs
-from scripts.train_static_head import fit as fit_static
-from scripts.train_static_head import out_of_fold as static_out_of_fold
+from bench.static_head_training import StaticInputs
+from bench.static_head_training import fit as fit_static
+from bench.static_head_training import out_of_fold as static_out_of_fold
+from dialects.openai import CHAT
+from routing.classifier import (
+    DEFAULT_TIERS,
+    LinearModel,
+    classify,
+    default_model,
+    features,
+)
+from routing.embedding_head import EmbeddingHead, default_head, embedding_text
+from routing.static_head import HEAD_CHARS, TAIL_CHARS, StaticHead, default_static_head
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "classifier.md"
@@ -83,7 +83,7 @@ REPEATS = 20
 CACHE_MAX_TEXT_CHARS = 1000
 # Texts embedded one at a time for the embedding's own cost.
 EMBED_COST_SAMPLE = 300
-# The head's recipes compared (``scripts.train_classifier.HeadRecipe``).
+# The head's recipes compared (``bench.classifier_training.HeadRecipe``).
 RECIPES = (
     ("embedding", HeadRecipe(length=False, ngram_weight=0.0)),
     ("embedding + log length", HeadRecipe(length=True, ngram_weight=0.0)),
@@ -604,10 +604,10 @@ def main() -> None:
     texts = [p.text for p in prompts if p.origin < 0]
     load_average = os.getloadavg()[0]
     costs = [
-        ("static head (`classify(body)`)", timing(texts, lambda i, body: classify(body))),
+        ("static head (`classify(CHAT.prompt(body))`)", timing(texts, lambda i, body: classify(CHAT.prompt(body)))),
         (
-            "n-gram model (`model.logit(features(instruction(body)))`)",
-            timing(texts, lambda i, body: shipped.score(shipped.logit(features(instruction(body)))[0])),
+            "n-gram model (`model.logit(features(CHAT.prompt(body).instruction))`)",
+            timing(texts, lambda i, body: shipped.score(shipped.logit(features(CHAT.prompt(body).instruction))[0])),
         ),
     ]
     if head is not None:
@@ -615,10 +615,10 @@ def main() -> None:
         windows = [(int(pieces), int(chars)) for pieces, chars in vectors.windows]
         costs.append(
             (
-                "embedding head, on a given vector and window (`classify(body, vector=v, window=w)`)",
+                "embedding head, on a given vector and window (`classify(prompt, vector=v, window=w)`)",
                 timing(
                     texts,
-                    lambda i, body: classify(body, vector=rows[i], window=windows[i], head=head),
+                    lambda i, body: classify(CHAT.prompt(body), vector=rows[i], window=windows[i], head=head),
                 ),
             )
         )

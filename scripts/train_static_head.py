@@ -2,7 +2,8 @@
 
     .venv/bin/python -m scripts.train_static_head   # needs ../shared/data, scikit-learn and the semantic extra
 
-What it does (the labels, folds, weights and calibration are ``scripts.train_classifier``'s):
+What it does (the labels, folds, weights and calibration are ``bench.classifier_training``'s,
+the regression ``bench.static_head_training``'s):
 
 1. Table: every word piece of all-MiniLM-L6-v2's vocabulary run through the model alone
    (``[CLS] piece [SEP]``), the piece's own output vector kept; the vocabulary's vectors,
@@ -26,28 +27,19 @@ import argparse
 import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.classifier_data import HARD, Prompt, load
-from routing.static_head import DEFAULT_STATIC, FORMAT, StaticHead, chars_per_piece, encode_table, window
-from scripts.train_classifier import (
-    HEAD_CALIBRATION_PROTOCOL,
-    HEAD_EASY_QUANTILE,
-    HEAD_HARD_QUANTILE,
-    OUT,
-    calibration,
-    group_weights,
-    logits_out_of_fold,
-    word_zipf_of,
-)
+from bench.classifier_data import Prompt, load
+from bench.classifier_training import HEAD_CALIBRATION_PROTOCOL, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE, calibration
+from bench.static_head_training import C, StaticInputs, fit, out_of_fold
+from routing.static_head import DEFAULT_STATIC, FORMAT, StaticHead, encode_table
+from scripts.train_classifier import OUT
 
 STATIC_OUT = OUT.with_name(DEFAULT_STATIC)
 DIMENSIONS = 32
-C = 0.1
 BATCH = 2048
 
 
@@ -76,44 +68,6 @@ def distil(model_dir: Path | None = None) -> tuple[list[str], np.ndarray, str]:
     _, _, directions = np.linalg.svd(centred, full_matrices=False)
     table = (centred @ directions[:DIMENSIONS].T).astype(np.float16).astype(np.float32)
     return tokens, table, model_identity(directory, None)
-
-
-@dataclass(frozen=True, slots=True)
-class StaticInputs:
-    """The regression's inputs of every prompt: the unit vector, log length, characters per
-    piece, the words' frequency (``WordFrequency.offset``)."""
-
-    x: np.ndarray
-
-    @classmethod
-    def of(cls, head: StaticHead, prompts: Sequence[Prompt]) -> StaticInputs:
-        rows = []
-        for p, zipf in zip(prompts, word_zipf_of(prompts), strict=True):
-            read = window(p.text)
-            ids = head.pieces(read)
-            rows.append([*head.vector(ids), np.log1p(len(p.text)), chars_per_piece(len(ids), len(read)), zipf])
-        return cls(np.asarray(rows, dtype=np.float64))
-
-
-def fit(inputs: StaticInputs, prompts: Sequence[Prompt], idx: Sequence[int]) -> tuple[np.ndarray, float]:
-    """The regression's coefficients (vector, length, characters per piece, words' frequency)
-    and intercept."""
-    from sklearn.linear_model import LogisticRegression
-
-    y = [int(prompts[i].label == HARD) for i in idx]
-    clf = LogisticRegression(C=C, max_iter=5000)
-    clf.fit(inputs.x[idx], np.asarray(y), sample_weight=group_weights(y, [prompts[i].group for i in idx]))
-    return clf.coef_[0].copy(), float(clf.intercept_[0])
-
-
-def out_of_fold(inputs: StaticInputs, prompts: Sequence[Prompt], protocol: str) -> np.ndarray:
-    """The static head's ``logits_out_of_fold``."""
-
-    def train_and_score(rest: list[int], held: list[int]) -> np.ndarray:
-        coef, bias = fit(inputs, prompts, rest)
-        return inputs.x[held] @ coef + bias
-
-    return logits_out_of_fold(prompts, protocol, train_and_score)
 
 
 def untrained(tokens: list[str], table: np.ndarray) -> StaticHead:

@@ -1,10 +1,12 @@
 """Imports only go down: the runtime packages' layers, read from the source with ``ast``.
 
     gateway                   the HTTP surface; the composition root
-    cache, limits, routing    the services the gateway asks (each ignores the others)
+    cache, limits, routing,   the services the gateway asks (each ignores the others)
+    conversations
     sim                       the simulated replica `fleetgate sim` runs (vLLM's gauge names)
     capacity                  the planner `fleetgate bench` runs (reads replicas' /metrics)
     replicas                  the fleet routing chooses from
+    dialects                  what each API's bodies and streams look like (one per API)
     redisconn                 how the shared stores reach Redis
     common                    shared by all, importing none of them
 
@@ -31,7 +33,9 @@ LAYERS = {
     "routing": 3,
     "sim": 3,
     "capacity": 3,
+    "conversations": 3,
     "replicas": 2,
+    "dialects": 2,
     "redisconn": 1,
     "common": 0,
 }
@@ -178,3 +182,19 @@ def test_type_only_and_function_level_imports_are_read(tmp_path: Path) -> None:
         ("gateway.settings", 3),
         ("replicas.health", 6),
     ]
+
+
+def test_bench_never_imports_scripts() -> None:
+    # Outside the runtime layers too, imports only go down: the dev scripts (training the
+    # classifier and the semantic cache's models) read bench's labelled data and recipes, so
+    # what both need lives in bench, and bench never reaches up into a script.
+    modules = {module_name(p): p for top in ("bench", "scripts") for p in sorted((ROOT / top).rglob("*.py"))}
+    known = set(modules)
+    found = [
+        f"{module}:{line} imports {target}"
+        for module, path in modules.items()
+        if module.split(".")[0] == "bench"
+        for target, line in imported(module, path, known)
+        if target.split(".")[0] == "scripts"
+    ]
+    assert found == []

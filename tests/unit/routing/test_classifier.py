@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dialects.base import PromptView
+from dialects.openai import CHAT, COMPLETIONS
 from routing.classifier import (
     DEFAULT_TIERS,
     Classification,
@@ -27,7 +29,6 @@ from routing.classifier import (
     classify_text,
     default_model,
     features,
-    instruction,
     load_model,
     resolve_tier,
     validate_tiers,
@@ -37,8 +38,13 @@ from routing.static_head import HEAD_CHARS, TAIL_CHARS, StaticHead, default_stat
 FIXTURE = Path(__file__).resolve().parents[2] / "data" / "classifier_fixture.jsonl"
 
 
-def user(text: str, **extra: object) -> dict[str, object]:
-    return {"model": "auto", "messages": [{"role": "user", "content": text}], **extra}
+def user(text: str) -> PromptView:
+    return CHAT.prompt({"model": "auto", "messages": [{"role": "user", "content": text}]})
+
+
+def prompt_of(body: dict[str, Any]) -> PromptView:
+    """A body's prompt as its dialect sees it: chat with messages, else completions."""
+    return (CHAT if "messages" in body else COMPLETIONS).prompt(body)
 
 
 def fixture() -> list[tuple[str, str]]:
@@ -109,15 +115,15 @@ def test_only_the_latest_user_message_is_scored() -> None:
             trivial,
         ]
     }
-    assert instruction(body) == "thanks!"
-    assert classify(body) == classify(user("thanks!"))
+    assert CHAT.prompt(body).instruction == "thanks!"
+    assert classify(CHAT.prompt(body)) == classify(user("thanks!"))
 
 
 def test_completion_prompt_and_content_parts_are_read() -> None:
     text = "Find all real solutions of x^4 - 5x^2 + 4 = 0 and verify them."
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
-    assert classify({"prompt": text}) == classify(parts) == classify(user(text))
-    assert classify({"prompt": [text]}) == classify(user(text))
+    assert classify(prompt_of({"prompt": text})) == classify(prompt_of(parts)) == classify(user(text))
+    assert classify(prompt_of({"prompt": [text]})) == classify(user(text))
 
 
 def test_only_head_and_tail_of_a_long_prompt_are_read() -> None:
@@ -136,7 +142,7 @@ def test_empty_or_odd_bodies_do_not_raise() -> None:
     static = default_static_head()
     bias_only = static.score(static.bias)  # no pieces, log1p(0) = 0, log(1 / 1) = 0, no words: offset 0
     for body in bodies:
-        c = classify(body)
+        c = classify(prompt_of(body))
         assert c.score == round(bias_only, 3) and c.reasons == ()
 
 
@@ -216,7 +222,7 @@ def test_out_of_source_quality_on_the_public_prompts() -> None:
         pytest.skip(f"the public prompts are not under {data_dir()} (../shared/data beside the repository)")
     pytest.importorskip("sklearn", reason="retraining needs scikit-learn (the 'train' extra)")
     from bench.classifier_data import load
-    from scripts.train_classifier import out_of_fold
+    from bench.classifier_training import out_of_fold
 
     prompts = load()
     logits = out_of_fold(prompts, [features(p.text) for p in prompts], "easy-sources")
@@ -230,7 +236,7 @@ def test_out_of_source_quality_on_the_public_prompts() -> None:
 @pytest.mark.parametrize("protocol", ["sources", "easy-sources", "random"])
 def test_a_derived_prompt_is_held_out_with_its_origin_and_never_scored(protocol: str) -> None:
     from bench.classifier_data import EASY, HARD, Prompt
-    from scripts.train_classifier import logits_out_of_fold
+    from bench.classifier_training import logits_out_of_fold
 
     prompts = [Prompt(f"hard {i}", "t", "c", HARD, f"h{i % 2}") for i in range(10)]
     prompts += [Prompt(f"easy {i}", "t", "c", EASY, f"e{i % 2}") for i in range(10)]
@@ -257,7 +263,7 @@ def test_pairs_held_out_train_on_neither_group_and_weigh_pairs_by_their_comparis
     train on derived prompts, the n-gram model does not); pooled AUC weighs a pair by hard x easy."""
     import bench.classifier as bench
     from bench.classifier_data import EASY, HARD, Prompt
-    from scripts.train_classifier import Fitted
+    from bench.classifier_training import Fitted
 
     texts = {
         ("hard", "h1"): ["prove the integral of x^2 sin x", "implement a lock-free queue in C++", "x"],
