@@ -11,9 +11,9 @@ import math
 import re
 from typing import Any
 
-from routing.classifier import content_text as _content_text
+from dialects.base import text_of as _content_text
 
-# ~4 characters per token on English text, as in gateway.request.
+# ~4 characters per token on English text, as in dialects.base.
 CHARS_PER_TOKEN = 4
 # Only the head and tail of the instruction are scanned for cues: instructions sit at the
 # start or the end of a pasted document, and scanning it all would make cost grow with size.

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dialects.openai import CHAT
+
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -64,12 +66,13 @@ def bodies(n: int = 1000) -> list[dict[str, Any]]:
 def one_request(router: Router, body: dict[str, Any], classify: bool) -> None:
     model = MODEL
     choice = None
+    prompt = CHAT.prompt(body)
     if classify:
-        choice = router.choose_tier(body, None, ())
+        choice = router.choose_tier(prompt, None, ())
         assert choice is not None
         model = choice.model
         choice.header()
-    route = router.route(model, body, 300, 100, choice)
+    route = router.route(model, prompt, 300, 100, choice)
     route.pool.admission.ready(0.0)
     replica = route(set())
     assert replica is not None

@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 import orjson
 
-Kind = Literal["chat", "completion"]
+from dialects.base import CacheKind
+
+Kind = CacheKind
 
 # Endings that describe a complete answer worth replaying.
 CACHEABLE_FINISH = frozenset({"stop", "length", "tool_calls"})

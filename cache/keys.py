@@ -48,6 +48,7 @@ import orjson
 
 from cache.config import CacheSettings
 from cache.entry import Kind
+from dialects.registry import BY_PATH, DIALECTS
 
 # Bump when the canonical form changes: old entries then simply stop matching.
 KEY_VERSION = "fg-exact-1"
@@ -70,7 +71,8 @@ DEFAULTS: dict[str, Any] = {
     "echo": False,
 }
 
-ENDPOINT_KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# The endpoints the exact cache serves: those whose dialect names a kind of answer it keeps.
+ENDPOINT_KINDS: dict[str, Kind] = {d.path: d.cache_kind for d in DIALECTS if d.cache_kind is not None}
 
 # Escaped in a scope so it cannot forge the ':' separator or a Redis hash tag.
 _SCOPE_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
@@ -248,21 +250,15 @@ def exact_key(scope: str, model: str, endpoint: str, body: dict[str, Any]) -> st
 def semantic_query(scope: str, model: str, endpoint: str, body: dict[str, Any]) -> SemanticQuery | None:
     """The text to match by meaning and the exact-match scope around it; None if there is none.
 
-    Chat: the last message, when it is a user message with string content (a tool result or
-    a multi-part message is not a question the embedder was made for). Completions: the one
-    prompt string. The scope hashes ``canonical_body`` with that text taken out (the last
+    The text is the dialect's question (``semantic_text``). The scope hashes
+    ``canonical_body`` with that text taken out (``Dialect.without_question``: chat's last
     message keeps its other fields), so every other field, known or not, splits the scope
     exactly as it splits the exact key.
     """
     text = semantic_text(endpoint, body)
     if text is None:
         return None
-    rest = dict(body)
-    if endpoint_kind(endpoint) == "chat":
-        messages = body["messages"]
-        rest["messages"] = [*messages[:-1], {k: v for k, v in messages[-1].items() if k != "content"}]
-    else:
-        del rest["prompt"]
+    rest = BY_PATH[endpoint].without_question(body)
     material = orjson.dumps(
         [SEMANTIC_SCOPE_VERSION, scope, model, endpoint, canonical_body(rest)],
         option=orjson.OPT_SORT_KEYS,
@@ -273,28 +269,14 @@ def semantic_query(scope: str, model: str, endpoint: str, body: dict[str, Any]) 
 def semantic_text(endpoint: str, body: dict[str, Any]) -> str | None:
     """The text ``semantic_query`` compares, stripped; None if the request has none.
 
-    Chat: the last message, when it is a user message with string content. Completions: the
-    one prompt string. Known before the model is: the classifier embeds the same text.
+    The question of the endpoint's dialect (``Dialect.question``), for the endpoints the
+    exact cache serves: chat's last message, when it is a user message with string content;
+    the one completions prompt string. Known before the model is: the classifier embeds the
+    same text.
     """
-    kind = endpoint_kind(endpoint)
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
-            return None
-        last = messages[-1]
-        text = last.get("content")
-        if last.get("role") != "user" or not isinstance(text, str):
-            return None
-    elif kind == "completion":
-        text = body.get("prompt")
-        if isinstance(text, list) and len(text) == 1:
-            text = text[0]
-        if not isinstance(text, str):
-            return None
-    else:
+    if endpoint_kind(endpoint) is None:
         return None
-    text = text.strip()
-    return text or None
+    return BY_PATH[endpoint].question(body)
 
 
 def escape_scope(scope: str) -> str:

@@ -1,10 +1,13 @@
 """Incremental reading of an upstream SSE stream, touching as few bytes as possible.
 
-Upstream bytes are relayed as they are. The scanner only cuts them at event boundaries
-(so a client never sees half an event followed by a gateway error event), counts data
-events (≈ tokens, for timing and load accounting), notices ``[DONE]``, and parses the one
-event that carries ``usage``, dropping it when the client did not ask for it (the gateway
-always asks upstream for usage, to settle limits on real counts).
+Upstream bytes are relayed as they are. A scanner only cuts them at event boundaries (so a
+client never sees half an event followed by a gateway error event), counts the events that
+carry tokens (for timing and load accounting), notices the stream's end, and reads the usage
+the stream reports. How an API marks those is its dialect's: ``SseScanner`` reads OpenAI's
+data-only events (``[DONE]`` at the end, usage in a usage-only chunk, dropped again when the
+client did not ask for it: the gateway always asks upstream for usage, to settle limits on
+real counts); ``TypedEventScanner`` reads streams of typed events (OpenAI's Responses,
+Anthropic's Messages), by the rules a ``TypedEvents`` names.
 
 Events are separated by a blank line. vLLM and OpenAI end lines with ``\\n``; SSE allows
 ``\\r\\n`` and ``\\r`` too (https://html.spec.whatwg.org/multipage/server-sent-events.html,
@@ -39,9 +42,13 @@ class SseError(Exception):
 
 
 class SseScanner:
-    """Feed it chunks; it returns the bytes to forward and keeps what it learned."""
+    """Feed it chunks; it returns the bytes to forward and keeps what it learned.
 
-    __slots__ = ("_after_cr", "_carry", "_drop_usage", "_last", "done", "events", "usage")
+    This class reads OpenAI's chat and completions streams; subclasses override ``_scan``
+    (what one block of whole events holds) and ``finish`` for other APIs' streams.
+    """
+
+    __slots__ = ("_after_cr", "_carry", "_drop_usage", "_last", "done", "events", "final", "usage")
 
     def __init__(self, *, drop_usage: bool) -> None:
         self._drop_usage = drop_usage
@@ -53,7 +60,10 @@ class SseScanner:
         self._last = b""
         self.events = 0
         self.done = False
+        # The usage, as ``prompt_tokens``/``completion_tokens``/``total_tokens``.
         self.usage: dict[str, Any] | None = None
+        # The whole answer a stream's last event carries, where its API sends one.
+        self.final: dict[str, Any] | None = None
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
         """Complete events from ``chunk`` (plus what was held back), and how many carry tokens.
@@ -83,14 +93,20 @@ class SseScanner:
             if end < len(chunk):
                 complete = chunk[:end]
                 carry += chunk[end:]
+        complete, n = self._scan(complete)
+        self.events += n
+        self._last = complete
+        return complete, n
+
+    def _scan(self, complete: bytes) -> tuple[bytes, int]:
+        """OpenAI's data-only events: every ``data:`` is a token but ``[DONE]`` and a
+        usage-only chunk (dropped when the client did not ask for usage)."""
         n = complete.count(b"data:")
         if b"[DONE]" in complete:
             self.done = True
             n -= 1
         if _USAGE in complete:
             complete, n = self._take_usage(complete, n)
-        self.events += n
-        self._last = complete
         return complete, n
 
     def finish(self) -> bytes:
@@ -153,7 +169,65 @@ class SseScanner:
         return bytes(self._carry)
 
 
-def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
-    """An SSE event the OpenAI SDKs raise as ``APIError`` mid-stream."""
-    payload = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return b"data: " + orjson.dumps(payload) + _SEP
+class TypedEventScanner(SseScanner):
+    """A stream of typed events (``event: <type>`` lines, or a ``type`` in each event's data).
+
+    Subclasses name the types: ``TOKENS`` (the events that carry generated text), ``ENDS``
+    (the last event of a stream that finished), and ``READ`` (those whose data the scanner
+    parses, in ``_read``: usage, the final answer). Every other event passes unparsed when
+    it has an ``event:`` line. Usage is never dropped: these APIs always report it.
+    """
+
+    __slots__ = ()
+
+    TOKENS: frozenset[bytes] = frozenset()
+    ENDS: frozenset[bytes] = frozenset()
+    READ: frozenset[bytes] = frozenset()
+
+    def __init__(self) -> None:
+        super().__init__(drop_usage=False)
+
+    def _scan(self, complete: bytes) -> tuple[bytes, int]:
+        n = 0
+        for event in complete.split(_SEP):
+            if not event:
+                continue
+            data: Any = None
+            if event.startswith(_EVENT):
+                kind = event[len(_EVENT) : event.find(b"\n") if b"\n" in event else len(event)].strip()
+            else:
+                data = _data_of(event)
+                named = data.get("type") if isinstance(data, dict) else None
+                kind = named.encode() if isinstance(named, str) else b""
+            if kind in self.TOKENS:
+                n += 1
+            elif kind in self.READ:
+                if data is None:
+                    data = _data_of(event)
+                if isinstance(data, dict):
+                    self._read(kind, data)
+            if kind in self.ENDS:
+                self.done = True
+        return complete, n
+
+    def _read(self, kind: bytes, data: dict[str, Any]) -> None:
+        """What a ``READ`` event's data says (usage, the final answer)."""
+
+    def finish(self) -> bytes:
+        """Nothing to add: a stream that sent no end event was cut short."""
+        return b""
+
+
+_EVENT = b"event:"
+_DATA = b"data:"
+
+
+def _data_of(event: bytes) -> Any:
+    """The JSON of an event's ``data:`` lines (joined by newlines, as SSE says), or None."""
+    lines = [line[len(_DATA) :].lstrip(b" ") for line in event.split(b"\n") if line.startswith(_DATA)]
+    if not lines:
+        return None
+    try:
+        return orjson.loads(b"\n".join(lines))
+    except orjson.JSONDecodeError:
+        return None

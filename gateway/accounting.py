@@ -72,7 +72,7 @@ class Accounting:
         elapsed = now - ex.started
         model = ex.model
         model_label = model or "-"
-        endpoint = ex.endpoint.label
+        endpoint = ex.dialect.name
         tenant_id = ex.tenant.id if ex.tenant is not None else None
         status = ex.status
         m = self.metrics

@@ -27,9 +27,12 @@ from cache.metrics import CacheMetrics
 from cache.service import create_response_cache
 from common.breaker import BreakerConfig
 from common.idle_trim import IdleTrim, glibc_malloc_trim, release_memory, trim_when_idle
+from conversations.factory import create_response_store
+from dialects.base import Dialect
+from dialects.registry import DIALECTS
 from gateway.accounting import Accounting
 from gateway.admin import AdminApi
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, credential
 from gateway.autoscale import AutoscaleCollector, PendingTokens
 from gateway.errors import (
     ExpectationFailed,
@@ -45,7 +48,7 @@ from gateway.logs import AccessLog
 from gateway.metrics import FleetCollector, GatewayMetrics, QuotaCollector, watch_loop_lag
 from gateway.proxy import Proxy
 from gateway.reload import ConfigWatcher
-from gateway.request import Endpoint
+from gateway.responses_state import ResponseState
 from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings
 from gateway.spans import RequestSpans, Timeline
 from gateway.stages import CONTINUE, Reply, Stages
@@ -108,6 +111,11 @@ class Gateway:
             start_semantic=any(t.cache.enabled and t.cache.semantic.enabled for t in settings.tenants)
             or settings.routing.classifier.embedding == "always",
             security=redis_security,
+        )
+        self.responses = ResponseState(
+            create_response_store(settings.redis_url, settings.responses, redis_security, clock=clock),
+            settings.responses,
+            self.metrics,
         )
         ls = settings.limits
         self.limiter = create_limiter(
@@ -188,18 +196,19 @@ class Gateway:
             proxy=self.proxy,
             pending=self.pending,
             routing_metrics=self.routing_metrics,
+            responses=self.responses,
             clock=self.clock,
         )
 
     # -- the request path ---------------------------------------------------------------
 
-    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         """Run the request through ``self.stages.path`` until a stage replies, then account."""
         started = self.clock()
         rh = request.headers
         spans = self.spans
         rid = request_id(request)
-        ex = Exchange(endpoint, rid, {REQUEST_ID_HEADER: rid}, started)
+        ex = Exchange(dialect, rid, {REQUEST_ID_HEADER: rid}, started)
         trace = start_trace(
             rh.get("traceparent"), rh.get("tracestate"), self.trace_rng, spans.sampler if spans is not None else None
         )
@@ -211,7 +220,7 @@ class Gateway:
         left = False
         try:
             reply: Reply = CONTINUE
-            for stage in self.stages.path:
+            for stage in self.stages.paths[dialect]:
                 reply = await stage(ex, request)
                 if reply is not CONTINUE:
                     break
@@ -259,34 +268,71 @@ class Gateway:
     async def list_models(self, request: web.Request) -> web.Response:
         headers = {"x-request-id": request_id(request)}
         try:
-            self.keyring.owner_of(request.headers.get("Authorization"))
+            key = self.keyring.owner_of(credential(request.headers))
         except GatewayError as err:
             return error_response(err, headers)
-        data = [_model_object(n) for n in ("auto", *self.fleet.by_model)]
-        return web.json_response({"object": "list", "data": data}, headers=headers)
+        names = ("auto", *self.fleet.by_model, *self._aliases(key.owner))
+        data = [_model_object(n) for n in names]
+        page = {"object": "list", "data": data, "has_more": False, "first_id": names[0], "last_id": names[-1]}
+        return web.json_response(page, headers=headers)
+
+    def _aliases(self, tenant_id: str) -> list[str]:
+        """The tenant's model aliases whose target it can call."""
+        tenant = self.tenants.get(tenant_id)
+        if tenant is None:
+            return []
+        known = self.fleet.by_model
+        return [alias for alias, target in tenant.model_aliases.items() if target == "auto" or target in known]
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """``GET /v1/models/{id}``: one model, in OpenAI's shape (404 ``model_not_found``)."""
         headers = {"x-request-id": request_id(request)}
         name = request.match_info["model"]
         try:
-            self.keyring.owner_of(request.headers.get("Authorization"))
-            if name != "auto" and name not in self.fleet.by_model:
+            key = self.keyring.owner_of(credential(request.headers))
+            if name != "auto" and name not in self.fleet.by_model and name not in self._aliases(key.owner):
                 raise NotFound(f"The model '{name}' does not exist.", code="model_not_found", param="model")
         except GatewayError as err:
             return error_response(err, headers)
         return web.json_response(_model_object(name), headers=headers)
 
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """``GET``/``DELETE /v1/responses/{id}``, ``GET .../input_items``, ``POST .../cancel``:
+        the tenant's stored responses (``gateway.responses_state``)."""
+        headers = {"x-request-id": request_id(request)}
+        try:
+            key = self.keyring.owner_of(credential(request.headers))
+            tenant = self.tenants[key.owner]
+            response_id = request.match_info["response_id"]
+            action = request.match_info.get("action", "")
+            state = self.responses
+            if request.method == "DELETE" and not action:
+                response = await state.delete(tenant, response_id)
+            elif request.method == "GET" and action in ("", "input_items"):
+                response = await (state.input_items if action else state.retrieve)(tenant, response_id)
+            elif request.method == "POST" and action == "cancel":
+                response = await state.cancel(tenant, response_id)
+            else:
+                raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
+        except GatewayError as err:
+            return error_response(err, headers)
+        response.headers.update(headers)
+        return response
+
     async def healthz(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, _: web.Request) -> web.Response:
-        """Ready: this process can answer (started, not draining). Not "a replica is healthy":
-        with none, requests get an OpenAI-shaped 503 (``no_healthy_replica``) and
+        """Ready: this process can serve (started, its fleet's state known, not draining).
+
+        At start it waits until the fleet's state is known (``replicas.readiness``; set by
+        ``_announce_ready``). From then on it is not "a replica is healthy": with none,
+        requests get an OpenAI-shaped 503 (``no_healthy_replica``) and
         ``fleetgate_model_healthy_replicas`` says 0, which a pod outside the Service could not."""
         if self.ready and not self.draining:
             return web.json_response({"status": "ready", "healthy_replicas": self.fleet.healthy_count()})
-        return error_response(ServiceUnavailable("Not ready: starting or draining."), {})
+        why = "draining" if self.draining else "starting, the fleet's state is not known yet"
+        return error_response(ServiceUnavailable(f"Not ready: {why}."), {})
 
     async def prometheus(self, _: web.Request) -> web.Response:
         # The gateway's own registry (every package's metrics) plus the process-wide one (process stats).
@@ -294,39 +340,54 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def not_found(self, request: web.Request) -> web.Response:
-        known = {e.value for e in Endpoint} | {"/v1/models", "/healthz", "/readyz"}
+        known = {d.path for d in DIALECTS} | {"/v1/models", "/healthz", "/readyz", "/v1/responses/{id}"}
         if self.settings.server.admin_port is None:  # else they live on the admin port only
             known |= {"/metrics", "/admin/fleet"}
         if request.path in known or request.path.startswith("/v1/models/"):
             err: GatewayError = MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
         else:
-            err = NotFound(f"Unknown path {request.path}.", code="unknown_url")
+            paths = ", ".join(sorted(known | {"/v1/models/{model}"}))
+            err = NotFound(f"Unknown path {request.path}. The gateway serves: {paths}.", code="unknown_url")
         return error_response(err, {"x-request-id": request_id(request)})
 
 
 def _refuse(ex: Exchange, err: GatewayError) -> web.Response:
-    """The request's answer is ``err``, in OpenAI's error shape."""
+    """The request's answer is ``err``, in its API's error shape."""
     ex.status, ex.error_code = err.status, err.code
-    return error_response(err, ex.headers)
+    return error_response(err, ex.headers, ex.dialect.errors)
 
 
 def _model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "fleetgate"}
+    """A model in OpenAI's shape, with the fields Anthropic's SDK reads (``type``,
+    ``display_name``, ``created_at``) beside them: one list serves both SDKs."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "fleetgate",
+        "type": "model",
+        "display_name": name,
+        "created_at": "1970-01-01T00:00:00Z",
+    }
 
 
 def create_app(gateway: Gateway) -> web.Application:
     """The aiohttp application; the gateway's parts start and stop with it, in order."""
-    app = web.Application(client_max_size=gateway.settings.server.max_body_bytes)
+    server = gateway.settings.server
+    app = web.Application(client_max_size=max(server.max_body_bytes, server.max_audio_bytes))
     app[GATEWAY_KEY] = gateway
 
-    def route(endpoint: Endpoint) -> Callable[[web.Request], Any]:
+    def route(dialect: Dialect) -> Callable[[web.Request], Any]:
         async def handler(request: web.Request) -> web.StreamResponse:
-            return await gateway.handle(request, endpoint)
+            return await gateway.handle(request, dialect)
 
         return handler
 
-    for endpoint in Endpoint:
-        app.router.add_post(endpoint.value, route(endpoint))
+    for dialect in DIALECTS:
+        app.router.add_post(dialect.path, route(dialect))
+    stored = gateway.stored_response
+    app.router.add_route("*", "/v1/responses/{response_id}", stored)
+    app.router.add_route("*", "/v1/responses/{response_id}/{action}", stored)
     app.router.add_get("/v1/models", gateway.list_models)
     app.router.add_get("/v1/models/{model:.+}", gateway.retrieve_model)
     app.router.add_get("/healthz", gateway.healthz)
@@ -397,7 +458,7 @@ async def _lifecycle(app: web.Application) -> Any:
     elif not settings.tenants:
         log.warning("no tenants configured: every request will be refused with 401")
     async with contextlib.AsyncExitStack() as stack:
-        for part in (gateway.limiter, gateway.cache, gateway.proxy, gateway.fleet):
+        for part in (gateway.limiter, gateway.cache, gateway.responses, gateway.proxy, gateway.fleet):
             await stack.enter_async_context(part)
         if gateway.spans is not None:
             await stack.enter_async_context(gateway.spans)
@@ -406,7 +467,7 @@ async def _lifecycle(app: web.Application) -> Any:
             await stack.enter_async_context(
                 ConfigWatcher(gateway.config_path, settings, gateway.apply_settings, lambda r: count(r).inc())
             )
-        gateway.ready = True
+        # Ready once the fleet's state is known: _announce_ready sets it.
         announce = asyncio.create_task(_announce_ready(gateway), name="announce-ready")
         lag = asyncio.create_task(watch_loop_lag(gateway.metrics.loop_lag, time.monotonic), name="loop-lag")
         trim = _start_idle_trim(gateway)
@@ -441,8 +502,20 @@ def _start_idle_trim(gateway: Gateway) -> asyncio.Task[None] | None:
 
 
 async def _announce_ready(gateway: Gateway) -> None:
-    """Log when the first replica becomes routable (vLLM can take minutes to load)."""
-    if await gateway.fleet.wait_healthy(gateway.settings.health.start_timeout_s):
-        log.info("gateway ready", extra={"healthy_replicas": gateway.fleet.healthy_count()})
+    """Turn ready once the fleet's state is known (``Fleet.state_known``: the first discovery
+    lists, the first probes, a managed replica of each model healthy; vLLM can take minutes to
+    load), or after ``health.start_timeout_s`` whatever it is; say so in the log."""
+    fleet, timeout_s = gateway.fleet, gateway.settings.health.start_timeout_s
+    known = await fleet.wait_known(timeout_s)
+    gateway.ready = True
+    healthy = fleet.healthy_count()
+    if not known:
+        log.error(
+            "the fleet's state is still not known after health.start_timeout_s; ready anyway, "
+            "answering 503 until a replica is healthy",
+            extra={"healthy_replicas": healthy, "start_timeout_s": timeout_s},
+        )
+    elif healthy == 0:
+        log.warning("gateway ready with no healthy replica; answering 503 until one is", extra={"healthy_replicas": 0})
     else:
-        log.error("no replica became healthy in time; answering 503 until one does")
+        log.info("gateway ready", extra={"healthy_replicas": healthy})

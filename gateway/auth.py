@@ -95,3 +95,14 @@ class KeyRing:
 
     def __len__(self) -> int:
         return len(self._owners)
+
+
+def credential(headers: Mapping[str, str]) -> str | None:
+    """The request's API key as an ``Authorization`` value: the header itself, else an
+    ``x-api-key`` (how Anthropic's SDK sends its key; Claude Code sends either) as a bearer key."""
+    authorization = headers.get("Authorization")
+    if authorization is None:
+        key = headers.get("x-api-key")
+        if key:
+            return f"Bearer {key}"
+    return authorization

@@ -20,13 +20,18 @@ Hierarchy::
     └── GatewayTimeout       504      the upstream did not answer in time, deadline_exceeded
 
 Library exceptions (aiohttp, redis, orjson) are translated where they are caught, with
-``raise ... from exc``; only this module knows the wire format of an error.
+``raise ... from exc``. The wire format is the API's: an error is written by the envelope of
+the dialect that was asked (``dialects.envelopes``: OpenAI's by default, Anthropic's on
+``/v1/messages``).
 """
 
 from __future__ import annotations
 
-import orjson
 from aiohttp import web
+
+from dialects.envelopes import OPENAI, AnthropicErrors, OpenAIErrors
+
+Envelope = OpenAIErrors | AnthropicErrors
 
 
 class GatewayError(Exception):
@@ -51,19 +56,18 @@ class GatewayError(Exception):
         self.param = param
         self.headers = headers or {}
 
-    def to_json(self) -> bytes:
-        return error_body(self.message, self.type, self.code, self.param)
+    def to_json(self, envelope: Envelope = OPENAI) -> bytes:
+        """The error's body in ``envelope`` (OpenAI's: ``{"error": {"message", "type", "param", "code"}}``)."""
+        return envelope.body(self.status, self.message, self.type, self.code, self.param)
 
 
-def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
-    """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
-
-
-def error_response(err: GatewayError, headers: dict[str, str]) -> web.Response:
+def error_response(err: GatewayError, headers: dict[str, str], envelope: Envelope = OPENAI) -> web.Response:
     """The HTTP response for ``err``, with the caller's headers (request id...)."""
     return web.Response(
-        status=err.status, body=err.to_json(), content_type="application/json", headers={**headers, **err.headers}
+        status=err.status,
+        body=err.to_json(envelope),
+        content_type="application/json",
+        headers={**headers, **err.headers},
     )
 
 

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from gateway.request import Call, Endpoint
+from dialects.base import Call, Dialect
 
 if TYPE_CHECKING:
     from cache.coalesce import Leader
     from cache.entry import CachedCompletion, Kind
     from cache.keys import CachePlan
+    from gateway.responses_state import Keeper
     from gateway.settings import TenantSettings
     from gateway.spans import Timeline
     from gateway.tracing import TraceContext
@@ -94,7 +95,8 @@ class Exchange:
     ``plan`` and ``leader`` by the cache; the rest by the proxy.
     """
 
-    endpoint: Endpoint
+    # The API the request speaks (its route).
+    dialect: Dialect
     request_id: str
     headers: dict[str, str]
     started: float
@@ -115,7 +117,15 @@ class Exchange:
     # The response's status, and why it failed (the access log's ``error``).
     status: int = 0
     error_code: str | None = None
+    # The usage the replica reported, normalised by the dialect (``prompt_tokens``...).
     usage: dict[str, Any] | None = None
+    # The replica's whole answer, parsed: a JSON body, or the final event of a stream that
+    # carries one (a Responses stream's ``response``); None otherwise.
+    answer: dict[str, Any] | None = None
+    # Keeps a stored Responses answer before the client sees its end (``gateway.responses_state``).
+    keep: Keeper | None = None
+    # Request headers the dialect passes on to the replica (``anthropic-version``...).
+    forward: dict[str, str] | None = None
     first_token_at: float | None = None
     upstream_started: float | None = None
     upstream_ended: float | None = None

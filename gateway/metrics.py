@@ -168,6 +168,12 @@ class GatewayMetrics(MetricSet):
             ["model"],
             registry=r,
         )
+        self.responses_store = Counter(
+            "fleetgate_responses_store",
+            "Stored-response operations (get/put/delete) by outcome (ok, not_found, unavailable, too_large...).",
+            ["op", "outcome"],
+            registry=r,
+        )
         self.config_reloads = Counter(
             "fleetgate_config_reloads",
             "Configuration reloads by result (ok/error).",
@@ -227,6 +233,12 @@ class FleetCollector(Collector):
         vllm = GaugeMetricFamily(
             "fleetgate_replica_vllm", "Last value scraped from the replica's /metrics.", labels=["replica", "metric"]
         )
+        last_probe = GaugeMetricFamily(
+            "fleetgate_replica_last_probe",
+            "1 for how the replica's last probe went (why it is down): ok, http_401, http_403, http_404, "
+            "http_4xx, http_5xx, http_other, timeout, late or error.",
+            labels=["replica", "reason"],
+        )
         for r in self._replicas():
             healthy.add_metric([r.id, r.model], 1.0 if r.routable(now) else 0.0)
             state.add_metric([r.id, r.state.value], 1.0)
@@ -237,7 +249,9 @@ class FleetCollector(Collector):
             probes.add_metric([r.id], r.probe_failures)
             for name, value in r.gauges.items():
                 vllm.add_metric([r.id, name.removeprefix("vllm:")], value)
-        yield from (healthy, state, tokens, requests, breaker, restarts, probes, vllm)
+            if r.last_probe is not None:
+                last_probe.add_metric([r.id, r.last_probe.reason], 1.0)
+        yield from (healthy, state, tokens, requests, breaker, restarts, probes, vllm, last_probe)
         if self._models is not None:
             # Per model, zero included: a model whose discovery found no pod has no replica series.
             routable = GaugeMetricFamily(

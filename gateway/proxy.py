@@ -33,12 +33,12 @@ import orjson
 from aiohttp import web
 
 from cache.entry import StreamCollector, from_json_response
-from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable, error_body
+from dialects.stream import SseError, SseScanner
+from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
 from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange, Picker
 from gateway.metrics import GatewayMetrics
 from gateway.progress_timeout import ProgressTimeout
 from gateway.settings import UpstreamSettings
-from gateway.sse import SseError, SseScanner, error_event
 from gateway.upstream import (
     ConnectTimeout,
     ReplicaDown,
@@ -187,7 +187,9 @@ class Proxy:
         replica.breaker.record_failure(self.clock())
 
     def _request_headers(self, ex: Exchange, replica: Replica) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
+        headers = {"Content-Type": ex.call.content_type, "X-Request-Id": ex.request_id}
+        if ex.forward:
+            headers.update(ex.forward)
         if ex.trace is not None:
             headers.update(ex.trace.upstream_headers())
         if replica.upstream_headers:
@@ -204,20 +206,20 @@ class Proxy:
         claim.release()
         ex.status = status
         if status == 200:
-            if isinstance(parsed.get("usage"), dict):
-                ex.usage = parsed["usage"]
+            ex.usage = ex.dialect.usage(parsed)
+            ex.answer = parsed
             if ex.cache_kind is not None:
                 ex.completion = from_json_response(ex.cache_kind, body)
         else:
             ex.error_code = "upstream_client_error"
-            body, ctype = openai_error_body(status, body), "application/json"
+            body, ctype = ex.dialect.errors.from_upstream(status, body), "application/json"
         return web.Response(status=status, body=body, content_type=ctype, headers=ex.headers)
 
     async def _send(self, ex: Exchange, replica: Replica) -> tuple[int, bytes, str, dict[str, Any]]:
         """One attempt: the replica's status, body, content type and, for a 200, the body
         parsed (a 200 that is not a JSON object is a failed attempt, like a 5xx)."""
         call = ex.call
-        url = replica.base_url + call.endpoint.value
+        url = replica.base_url + call.dialect.path
         ex.upstream_started = self.clock()
         try:
             status, ctype, body, retry_after = await self.client.fetch(
@@ -256,7 +258,7 @@ class Proxy:
                 raise answer
             # Keep-alives went out, so the status is already 200: end with an error event.
             ex.error_code = answer.code
-            await _end_with_error(ex.response, answer)
+            await _end_with_error(ex, ex.response, answer)
             return ex.response
         claim, (upstream, first) = answer
         if isinstance(upstream, web.Response):
@@ -265,7 +267,7 @@ class Proxy:
             ex.error_code = "upstream_client_error"
             if ex.response is None:
                 return upstream
-            await _end_with_error(ex.response, _refusal(upstream))
+            await _end_with_error(ex, ex.response, _refusal(ex, upstream))
             return ex.response
         try:
             return await self._relay(ex, upstream, first, claim, request)
@@ -309,7 +311,7 @@ class Proxy:
             async with asyncio.timeout(self.settings.first_byte_timeout_s):
                 resp = await self.client.open(
                     "POST",
-                    replica.base_url + call.endpoint.value,
+                    replica.base_url + call.dialect.path,
                     call.upstream_body(replica.served_model),
                     self._request_headers(ex, replica),
                 )
@@ -322,7 +324,7 @@ class Proxy:
                     ex.status = status
                     return web.Response(
                         status=status,
-                        body=openai_error_body(status, body),
+                        body=ex.dialect.errors.from_upstream(status, body),
                         content_type="application/json",
                         headers=ex.headers,
                     ), b""
@@ -357,7 +359,7 @@ class Proxy:
         if ex.response is None:
             ex.response = await self.prepare(ex, request)
         response = ex.response
-        scanner = SseScanner(drop_usage=not ex.call.client_wants_usage)
+        scanner = ex.call.dialect.scanner(ex.call)
         collector = StreamCollector(ex.cache_kind, max_chars=ex.cache_max_chars) if ex.cache_kind else None
         gaps = self.metrics.itl.new_gaps()
         clock = self.clock
@@ -369,6 +371,8 @@ class Proxy:
         claim.prefilled()
         claim.generated(n)
         last = now
+        if scanner.done and ex.keep is not None:
+            out = await self._kept(ex, scanner, out)
         if out:
             await response.write(out)
         loop = asyncio.get_running_loop()
@@ -392,13 +396,15 @@ class Proxy:
                         gaps.add((now - last) / n, n)
                         last = now
                         claim.generated(n)
+                    if scanner.done and ex.keep is not None:
+                        out = await self._kept(ex, scanner, out)
                     if out:
                         await response.write(out)
         except TimeoutError:
             if deadline.cut:
                 ex.stop, ex.error_code = "deadline", "deadline_exceeded"
                 cut = GatewayTimeout("The request's deadline passed; the stream was cut.", code="deadline_exceeded")
-                await _end_with_error(response, cut)
+                await _end_with_error(ex, response, cut)
             else:
                 await self._broken(ex, response, f"The replica sent nothing for {gap:g} s; the stream was cut.")
         except UpstreamError:
@@ -413,18 +419,31 @@ class Proxy:
         finally:
             ex.upstream_ended = clock()
             ex.usage = scanner.usage
+            ex.answer = scanner.final
             ex.generated = scanner.events
             self.metrics.itl.merge((ex.call.model,), gaps)
         if collector is not None and scanner.done and ex.error_code is None:
             ex.completion = collector.result(scanner.usage)
         return response
 
+    async def _kept(self, ex: Exchange, scanner: SseScanner, out: bytes) -> bytes:
+        """The stream's last events, once its answer is kept (``Exchange.keep``): the next
+        turn may then be sent the moment the client sees the end. When it could not be kept
+        and must not go out unkept (``fail_closed``), an error event replaces them."""
+        keep, ex.keep = ex.keep, None
+        assert keep is not None
+        refused = await keep(scanner.final)
+        if refused is None:
+            return out
+        ex.error_code = refused.code
+        return ex.dialect.errors.event(refused.message, refused.code or "upstream_error", refused.type)
+
     async def _broken(self, ex: Exchange, response: web.StreamResponse, message: str) -> None:
         assert ex.replica is not None
         self._failed(ex.replica, UpstreamFailure("stream", message))
         self.metrics.stream_errors.labels(ex.call.model).inc()
         ex.error_code = "upstream_stream_error"
-        await _end_with_error(response, BadGateway(message, code="upstream_stream_error"))
+        await _end_with_error(ex, response, BadGateway(message, code="upstream_stream_error"))
 
 
 def _check_status(replica: Replica, status: int) -> None:
@@ -446,9 +465,10 @@ def _pass_retry_after(ex: Exchange, status: int, value: str) -> None:
         ex.headers["Retry-After"] = value
 
 
-async def _end_with_error(response: web.StreamResponse, err: GatewayError) -> None:
+async def _end_with_error(ex: Exchange, response: web.StreamResponse, err: GatewayError) -> None:
+    """End a stream already under way with ``err`` as its API's error event."""
     with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-        await response.write(error_event(err.message, err.code or "upstream_error", err.type))
+        await response.write(ex.dialect.errors.event(err.message, err.code or "upstream_error", err.type))
         await response.write_eof()
 
 
@@ -491,28 +511,7 @@ def _exhausted(ex: Exchange, last: UpstreamFailure | None) -> GatewayError:
     return BadGateway(f"All {ex.attempts} attempt(s) to reach a replica failed.", code="upstream_error")
 
 
-def openai_error_body(status: int, body: bytes) -> bytes:
-    """A replica's 4xx body, in OpenAI's error shape whatever the replica sent.
-
-    vLLM's own errors already have it; a route it does not serve answers with
-    ``{"detail": "Not Found"}`` (e.g. /v1/embeddings on a generation model), and other
-    OpenAI-compatible servers vary.
-    """
-    with contextlib.suppress(orjson.JSONDecodeError):
-        parsed = orjson.loads(body)
-        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) and "message" in parsed["error"]:
-            return body
-    if status == 404:
-        message = "The replica does not serve this endpoint or model (404)."
-    else:
-        detail = body[:200].decode("utf-8", "replace").strip()
-        message = f"The replica refused the request ({status}): {detail}"
-    return error_body(message, "invalid_request_error", f"upstream_{status}")
-
-
-def _refusal(upstream: web.Response) -> GatewayError:
+def _refusal(ex: Exchange, upstream: web.Response) -> GatewayError:
     body = upstream.body if isinstance(upstream.body, bytes) else b""
-    message = f"The replica refused the request ({upstream.status})."
-    with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
-        message = orjson.loads(body)["error"]["message"]
+    message = ex.dialect.errors.message_of(body) or f"The replica refused the request ({upstream.status})."
     return BadGateway(message, code="upstream_client_error")

@@ -25,6 +25,7 @@ from pydantic_settings import (
 )
 
 from cache.config import CacheServiceSettings, CacheSettings
+from conversations.config import ResponsesSettings
 from limits.config import TenantLimits
 from redisconn.config import RedisSettings
 from redisconn.target import RedisTarget
@@ -57,6 +58,8 @@ class ServerSettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    # The bound for an audio upload (/v1/audio/*, multipart), as OpenAI's 25 MB.
+    max_audio_bytes: int = Field(25 * 1000 * 1000, gt=0)
     # How long a client may take to send its request body before a 408.
     body_timeout_s: float = Field(30.0, gt=0)
     # How long a client may take to send a request's line and headers, from its first byte
@@ -191,6 +194,9 @@ class TenantSettings(_Frozen):
     allow_force_tier: bool | list[str] = False
     # Model names this tenant's requests are classified for, as if they asked for "auto".
     classify_models: list[str] = []
+    # Model names a client may send for this tenant, each served by a fleet model (or "auto"),
+    # e.g. {"claude-sonnet-4-5": "auto"} for a client that only knows its vendor's names.
+    model_aliases: dict[str, str] = {}
     degrade: DegradeSettings = DegradeSettings()
 
     @field_validator("api_keys")
@@ -221,6 +227,9 @@ class Settings(BaseSettings):
     routing: RoutingSettings = RoutingSettings()
     autoscaling: AutoscalingSettings = AutoscalingSettings()
     tracing: TracingSettings = TracingSettings()
+    # Stored Responses (/v1/responses with store, previous_response_id): kept in Redis when
+    # redis_url is set, else in this process's memory.
+    responses: ResponsesSettings = ResponsesSettings()
     # Unset: limits and caches live in this process's memory. redis://, rediss://,
     # redis+cluster://h:p[,h:p...] or redis+sentinel://h:p[,h:p...]/service (redisconn.target).
     redis_url: str | None = None

@@ -3,7 +3,7 @@
 Off unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is
 set; then every request the sampler (``gateway.sampling``) keeps yields:
 
-- a server span ``{operation} {model}`` (``chat``, ``text_completion`` or ``embeddings``)
+- a server span ``{operation} {model}`` (``chat``, ``text_completion``, ``embeddings``...: the dialect's)
   whose id is the one the ``traceparent`` sent upstream carries, child of the client's span,
   with each stage's time as an attribute (``fleetgate.auth_us``, ``parse_us`` (with
   classification), ``limits_us``, ``cache_us`` (when some tenant uses the cache), ``queue_us``);
@@ -54,13 +54,15 @@ import aiohttp
 import orjson
 
 from common.tasks import stop
+from dialects.registry import DIALECTS
 from gateway.sampling import DEFAULT as DEFAULT_SAMPLER
 from gateway.sampling import Sampler
 from gateway.tracing import TraceContext
 
 log = logging.getLogger("fleetgate.spans")
 
-OPERATIONS = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings"}
+# The GenAI operation name of each endpoint label, as its dialect names it.
+OPERATIONS = {d.name: d.operation for d in DIALECTS}
 # OTLP's SpanKind and StatusCode values.
 KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3
 STATUS_ERROR = 2

@@ -2,6 +2,8 @@
 
     authenticate   API key -> tenant                                  401
     parse          read the body, validate it -> Call                 400 / 408 / 413
+    recall         (Responses) previous_response_id expanded into     404 / 503
+                   the whole input; the answer's keeper, when stored
     classify       model ("auto" -> a tier's model; its text embedded   400 / 404
                    first when the embedding head scores it), context
                    length, the request's Route (its picker)
@@ -40,11 +42,13 @@ from aiohttp import web
 
 from cache.coalesce import Leader
 from cache.entry import CachedCompletion
-from cache.keys import endpoint_kind
 from cache.replay import new_completion_id, replay_json, replay_sse
 from cache.semantic.cache import TextEmbedding
 from cache.service import CacheHit, ResponseCache
-from gateway.auth import KeyRing
+from dialects.base import Call, Dialect
+from dialects.registry import DIALECTS
+from dialects.responses import RESPONSES_API
+from gateway.auth import KeyRing, credential
 from gateway.autoscale import PendingTokens
 from gateway.errors import (
     BadRequest,
@@ -58,7 +62,8 @@ from gateway.errors import (
 )
 from gateway.exchange import CACHE_HEADER, PRIORITY_HEADER, ROUTE_HEADER, TIER_HEADER, TIMEOUT_HEADER, Exchange
 from gateway.proxy import Proxy
-from gateway.request import Call, Endpoint, context_overflow, parse_call
+from gateway.request import context_overflow, parse_call
+from gateway.responses_state import ResponseState
 from gateway.settings import Settings, TenantSettings
 from limits.config import reservation
 from limits.decision import Decision
@@ -94,9 +99,11 @@ class Stages:
         proxy: Proxy,
         pending: PendingTokens,
         routing_metrics: RoutingMetrics,
+        responses: ResponseState,
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
+        self.responses = responses
         self.keyring = keyring
         self.tenants = tenants
         self.fleet = fleet
@@ -111,20 +118,25 @@ class Stages:
         self.max_model_len = {m.name: m.max_model_len for m in settings.models if m.max_model_len is not None}
         self._warned_mismatch = False
         uses_cache = any(t.cache.enabled for t in tenants.values())
-        # The request's path, top to bottom.
-        self.path: tuple[Stage, ...] = (
-            self.authenticate,
-            self.parse,
-            self.classify,
-            self.admit,
-            *((self.look_up_cache,) if uses_cache else ()),
-            self.queue,
-            self.forward,
-        )
+        # Each API's path, top to bottom: the same for all but Responses, whose stored
+        # conversation is recalled before anything reads its prompt.
+        self.paths: dict[Dialect, tuple[Stage, ...]] = {
+            dialect: (
+                self.authenticate,
+                self.parse,
+                *((self.recall,) if dialect is RESPONSES_API else ()),
+                self.classify,
+                self.admit,
+                *((self.look_up_cache,) if uses_cache else ()),
+                self.queue,
+                self.forward,
+            )
+            for dialect in DIALECTS
+        }
 
     async def authenticate(self, ex: Exchange, request: web.Request) -> Reply:
         """The tenant that owns the request's API key (401 ``Unauthorized`` otherwise)."""
-        key = self.keyring.owner_of(request.headers.get("Authorization"))
+        key = self.keyring.owner_of(credential(request.headers))
         ex.tenant = self.tenants[key.owner]
         ex.key_id = key.key_id
         if ex.timeline is not None:
@@ -133,7 +145,19 @@ class Stages:
 
     async def parse(self, ex: Exchange, request: web.Request) -> Reply:
         """Read the body (bounded in size and time) and validate it, once."""
-        ex.call = parse_call(ex.endpoint, await self._read_body(request))
+        dialect = ex.dialect
+        raw = await self._read_body(request, dialect)
+        ex.call = parse_call(dialect, raw, request.headers.get("Content-Type"))
+        if dialect.forward_headers:
+            headers = request.headers
+            ex.forward = {name: headers[name] for name in dialect.forward_headers if name in headers}
+        return CONTINUE
+
+    async def recall(self, ex: Exchange, request: web.Request) -> Reply:
+        """A Responses request continues a stored conversation: its ``previous_response_id``
+        expanded into the whole input, and its answer kept when asked (``gateway.responses_state``)."""
+        assert ex.tenant is not None
+        ex.call, ex.keep = await self.responses.recall(ex.call, ex.tenant)
         return CONTINUE
 
     async def classify(self, ex: Exchange, request: web.Request) -> Reply:
@@ -146,9 +170,9 @@ class Stages:
         """
         call, tenant = ex.call, ex.tenant
         assert tenant is not None
-        name = call.model
+        name = tenant.model_aliases.get(call.model, call.model)
         choice: TierChoice | None = None
-        if (name == "auto" or name in tenant.classify_models) and call.endpoint is not Endpoint.EMBEDDINGS:
+        if (name == "auto" or name in tenant.classify_models) and call.dialect.classifiable:
             choice = await self._choose_tier(ex, request, tenant)
         if choice is not None:
             model = choice.model
@@ -170,7 +194,7 @@ class Stages:
             too_long = context_overflow(call, limit)
             if too_long is not None:
                 return too_long
-        route = self.router.route(model, call.body, call.prompt_tokens_estimate, call.max_tokens, choice, tenant.id)
+        route = self.router.route(model, call.prompt, call.prompt_tokens_estimate, call.max_tokens, choice, tenant.id)
         ex.route = route
         ex.pending = route.cost
         self.pending.add(model, ex.pending)
@@ -203,12 +227,12 @@ class Stages:
         call, tenant, model = ex.call, ex.tenant, ex.model
         assert tenant is not None and model is not None
         plan = self.cache.plan(
-            tenant.id, model, ex.endpoint, call.body, tenant.cache, request.headers.get("Cache-Control")
+            tenant.id, model, ex.dialect.path, call.body, tenant.cache, request.headers.get("Cache-Control")
         )
         ex.plan = plan
         hit: CacheHit | None = None
         if plan.key is not None:
-            ex.cache_kind = endpoint_kind(call.endpoint)
+            ex.cache_kind = call.dialect.cache_kind
             ex.cache_max_chars = tenant.cache.max_entry_bytes
             hit = await self.cache.find(plan)
             if hit is None and plan.coalesce:
@@ -267,6 +291,11 @@ class Stages:
             response = await self.proxy.stream(ex, route, request)
         else:
             response = await self.proxy.complete(ex, route)
+        if ex.keep is not None and ex.status == 200 and not ex.call.stream:
+            keep, ex.keep = ex.keep, None
+            refused = await keep(ex.answer)
+            if refused is not None:
+                return refused
         completion = ex.completion
         if completion is not None:
             if ex.leader is not None:
@@ -278,36 +307,43 @@ class Stages:
 
     # -- what the stages share --------------------------------------------------------------
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.settings.server.max_body_bytes
+    async def _read_body(self, request: web.Request, dialect: Dialect) -> bytes:
+        server = self.settings.server
+        limit = server.max_audio_bytes if dialect.multipart else server.max_body_bytes
+        too_large = PayloadTooLarge(f"The request body is larger than the {limit}-byte limit.")
         if request.content_length is not None and request.content_length > limit:
-            raise PayloadTooLarge(f"The request body is larger than the {limit}-byte limit.")
+            raise too_large
         try:
             if request.content.is_eof():  # all of it arrived with the headers: nothing to wait for
-                return await request.read()
-            async with asyncio.timeout(self.settings.server.body_timeout_s):
-                return await request.read()
+                raw = await request.read()
+            else:
+                async with asyncio.timeout(server.body_timeout_s):
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            raise PayloadTooLarge(f"The request body is larger than the {limit}-byte limit.") from exc
+            raise too_large from exc
         except TimeoutError as exc:
             raise RequestTimeout("The request body did not arrive in time.") from exc
+        if len(raw) > limit:  # a chunked body, read within the application's larger bound
+            raise too_large
+        return raw
 
     async def _choose_tier(self, ex: Exchange, request: web.Request, tenant: TenantSettings) -> TierChoice | None:
         """The classified request's tier: the text embedded first when the embedding head is
         to score it (``Router.text_to_embed``), else the n-gram model alone."""
-        body = ex.call.body
+        call = ex.call
+        prompt = call.prompt
         forced = request.headers.get(TIER_HEADER)
         allowed = self._forcible(tenant) if forced else ()
         embedding, fallback, text = None, "", None
         if self.router.head is not None:  # routing.classifier.embedding is not "never"
             cache_control = request.headers.get("Cache-Control")
-            shared = self.cache.semantic_text(ex.endpoint, body, tenant.cache, cache_control)
-            text = self.router.text_to_embed(body, shared, forced, allowed)
+            shared = self.cache.semantic_text(ex.dialect.path, call.body, tenant.cache, cache_control)
+            text = self.router.text_to_embed(prompt, shared, forced, allowed)
         if text is not None:
             embedding, fallback = await self._embedding(text)
         if embedding is None:
-            return self.router.choose_tier(body, forced, allowed, None, fallback)
-        return self.router.choose_tier(body, forced, allowed, embedding.vector, fallback, embedding.window)
+            return self.router.choose_tier(prompt, forced, allowed, None, fallback)
+        return self.router.choose_tier(prompt, forced, allowed, embedding.vector, fallback, embedding.window)
 
     async def _embedding(self, text: str) -> tuple[TextEmbedding | None, str]:
         """``text``'s embedding (vector and window) for the classifier's embedding head, or None and why not.
@@ -438,7 +474,8 @@ def _end_flight(joined: Leader | CachedCompletion) -> None:
 def _clamp_max_tokens(call: Call, limit: int) -> None:
     """Lower the request's max_tokens to ``limit`` (graceful degradation), in the forwarded body too."""
     body = dict(call.body)
-    body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = limit
+    fields = call.dialect.max_tokens_fields
+    body[next((f for f in fields if f in body), fields[-1])] = limit
     call.body = body
     call.max_tokens = limit
     call.raw = orjson.dumps(body)

@@ -50,11 +50,11 @@ import urllib.parse
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from dialects.base import PromptView
 from routing.data_file import calibrated, read_data_file
 from routing.embedding_head import EmbeddingHead, default_head
 from routing.static_head import StaticHead, default_static_head, read_words, window
@@ -201,7 +201,7 @@ def validate_tiers(tiers: Sequence[TierRange]) -> None:
 
 
 def classify(
-    body: dict[str, Any],
+    prompt: PromptView,
     tiers: Sequence[TierRange] = DEFAULT_TIERS,
     model: LinearModel | None = None,
     *,
@@ -211,9 +211,9 @@ def classify(
     static: StaticHead | None = None,
     fallback: str = "",
 ) -> Classification:
-    """Score ``body`` (chat ``messages`` or completion ``prompt``) and pick the tier holding the score.
+    """Score ``prompt`` (its ``instruction``, whatever the API) and pick the tier holding the score.
 
-    With ``vector`` (the embedding of ``embedding_text(instruction(body))``) the embedding
+    With ``vector`` (the embedding of ``embedding_text(prompt.instruction)``) the embedding
     head decides (``head``, the shipped one by default), with ``window`` (the word pieces
     and characters the model read of that text, from the same embedding) when the head
     weighs it, and the n-gram ``model``'s logit when the head weighs that; without, the
@@ -221,7 +221,7 @@ def classify(
     embedding head did not (shown in the header; "" when it was not asked to).
     """
     return classify_text(
-        instruction(body), tiers, model, vector=vector, window=window, head=head, static=static, fallback=fallback
+        prompt.instruction, tiers, model, vector=vector, window=window, head=head, static=static, fallback=fallback
     )
 
 
@@ -289,24 +289,6 @@ def resolve_tier(classification: Classification, forced: str | None, allowed: Co
     return classification.tier, "classified"
 
 
-def instruction(body: dict[str, Any]) -> str:
-    """The text scored: the latest user message, or the completion prompt.
-
-    System prompts (mostly a fixed persona) and earlier turns are left out: the question
-    being asked now is what the tier must answer.
-    """
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in reversed(messages):
-            if isinstance(message, dict) and message.get("role") == "user":
-                return content_text(message.get("content"))
-        return ""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
-    return prompt if isinstance(prompt, str) else ""
-
-
 def _tier_for(score: float, tiers: Sequence[TierRange]) -> str:
     for tier in tiers:
         if tier.min_score <= score < tier.max_score:
@@ -330,12 +312,3 @@ def _header_safe(feature: str) -> str:
 
 def _percent_encoded(match: re.Match[str]) -> str:
     return urllib.parse.quote(match.group(), safe="")
-
-
-def content_text(content: Any) -> str:
-    """The text of a message's content: a string, or the text parts of a list."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""

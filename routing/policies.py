@@ -23,7 +23,7 @@ import hashlib
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from replicas.replica import GAUGE_KV_USAGE, Replica, ReplicaState
 from routing.prefix_placement import AnchorPlacement
@@ -319,7 +319,7 @@ _HOME_WEIGHT = 1 << 64
 
 
 def prefix_keys(
-    body: dict[str, Any],
+    segments: Sequence[str],
     block_chars: int = DEFAULT_BLOCK_CHARS,
     max_blocks: int = DEFAULT_MAX_BLOCKS,
     coarse_block_chars: int = DEFAULT_COARSE_BLOCK_CHARS,
@@ -327,29 +327,19 @@ def prefix_keys(
 ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """Cumulative hashes of the prompt's leading full blocks, where each ends, and the prompt's length.
 
-    ``max_blocks`` blocks of ``block_chars`` characters, then blocks of ``coarse_block_chars``
-    up to ``max_chars`` (the rest is neither hashed nor counted). Roles are part of the text
-    (chat messages) so a system prompt and the same words as a user turn differ, as they do
-    in the replica's chat template.
+    ``segments`` is the prompt as its dialect renders it (``dialects.base.PromptView``): roles
+    are part of the text, so a system prompt and the same words as a user turn differ, as they
+    do in the replica's chat template. ``max_blocks`` blocks of ``block_chars`` characters,
+    then blocks of ``coarse_block_chars`` up to ``max_chars`` (the rest is neither hashed nor
+    counted).
     """
     parts: list[str] = []
     size = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            if size >= max_chars:
-                break
-            if not isinstance(message, dict):
-                continue
-            text = f"{message.get('role', '')}\x1f{_content_text(message.get('content'))}\x1e"
-            parts.append(text)
-            size += len(text)
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            parts.append(prompt)
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            parts.append(prompt[0])
+    for part in segments:
+        if size >= max_chars:
+            break
+        parts.append(part)
+        size += len(part)
     text = "".join(parts)[:max_chars]
     hasher = hashlib.blake2b(digest_size=8)
     keys: list[int] = []
@@ -363,14 +353,6 @@ def prefix_keys(
         if len(keys) == max_blocks:
             step = coarse_block_chars
     return tuple(keys), tuple(ends), size
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
 
 
 def _argmin(

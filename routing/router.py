@@ -28,10 +28,11 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from dialects.base import PromptView
 from replicas.replica import Claim, Replica
 from routing.admission import Admission
 from routing.capacity import Capacity
-from routing.classifier import Classification, classify, instruction, resolve_tier
+from routing.classifier import Classification, classify, resolve_tier
 from routing.config import AffinitySettings, CapacitySettings, EmbeddingUse, PolicyName, RoutingSettings
 from routing.embedding_head import EmbeddingHead, embedding_text
 from routing.fair_queue import FairQueueConfig
@@ -209,12 +210,12 @@ class Route:
         "_prefill",
         "_request",
         "_router",
-        "body",
         "budget_denied",
         "choice",
         "degraded",
         "max_tokens",
         "model",
+        "prompt",
         "prompt_tokens",
         "queued_s",
         "reason",
@@ -226,7 +227,7 @@ class Route:
         self,
         router: Router,
         model: str,
-        body: dict[str, Any],
+        prompt: PromptView,
         prompt_tokens: int,
         max_tokens: int | None,
         choice: TierChoice | None = None,
@@ -235,7 +236,7 @@ class Route:
         self._router = router
         self.tenant = tenant
         self.model = model
-        self.body = body
+        self.prompt = prompt
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens or DEFAULT_COMPLETION_ESTIMATE
         self.choice = choice
@@ -298,7 +299,7 @@ class Route:
         if self._request is None:
             # First pick: the policy's view of the request, built once; the request counts
             # towards its pool's retry budget.
-            self._request = router.route_request(self.body, self.prompt_tokens, self.max_tokens)
+            self._request = router.route_request(self.prompt, self.prompt_tokens, self.max_tokens)
             chain[0].budget.deposit(now)
         request = self._request
         for position, pool in enumerate(chain):
@@ -484,9 +485,9 @@ class Router:
         return self._chains[model]
 
     def text_to_embed(
-        self, body: dict[str, Any], shared: str | None, forced: str | None, allowed: Collection[str]
+        self, prompt: PromptView, shared: str | None, forced: str | None, allowed: Collection[str]
     ) -> str | None:
-        """The text whose embedding the classifier wants for ``body``, or None (n-grams only).
+        """The text whose embedding the classifier wants for ``prompt``, or None (n-grams only).
 
         ``shared``: the text the tenant's semantic cache will embed for this request, if it
         will (``ResponseCache.semantic_text``); the same text as ``embedding_text`` gives
@@ -499,19 +500,19 @@ class Router:
         if shared is not None:
             return shared
         if use == "always":
-            return embedding_text(instruction(body)) or None
+            return embedding_text(prompt.instruction) or None
         return None
 
     def choose_tier(
         self,
-        body: dict[str, Any],
+        prompt: PromptView,
         forced: str | None,
         allowed: Collection[str],
         vector: npt.NDArray[np.floating] | None = None,
         fallback: str = "",
         window: tuple[int, int] | None = None,
     ) -> TierChoice | None:
-        """Classify ``body`` and pick the tier's model; None when no tier has a model.
+        """Classify ``prompt`` and pick the tier's model; None when no tier has a model.
 
         ``vector``: the embedding of ``text_to_embed``'s text, when it was asked for and came
         (the embedding head scores it), and ``window`` the (word pieces, characters) the model
@@ -525,9 +526,9 @@ class Router:
             # the head cannot score without it.
             vector, fallback = None, "mismatch"
         if vector is not None and self.head is not None:
-            classification = classify(body, tiers.ranges, vector=vector, window=window, head=self.head)
+            classification = classify(prompt, tiers.ranges, vector=vector, window=window, head=self.head)
         else:
-            classification = classify(body, tiers.ranges, static=self.static, fallback=fallback)
+            classification = classify(prompt, tiers.ranges, static=self.static, fallback=fallback)
         rm = self.metrics
         rm.series(rm.classifier_heads, classification.head, fallback or "none").inc()
         tier, reason = resolve_tier(classification, forced, allowed)
@@ -542,20 +543,22 @@ class Router:
     def route(
         self,
         model: str,
-        body: dict[str, Any],
+        prompt: PromptView,
         prompt_tokens: int,
         max_tokens: int | None,
         choice: TierChoice | None = None,
         tenant: str = "",
     ) -> Route:
-        return Route(self, model, body, prompt_tokens, max_tokens, choice, tenant)
+        return Route(self, model, prompt, prompt_tokens, max_tokens, choice, tenant)
 
-    def route_request(self, body: dict[str, Any], prompt_tokens: int, max_tokens: int) -> RouteRequest:
+    def route_request(self, prompt: PromptView, prompt_tokens: int, max_tokens: int) -> RouteRequest:
         """The policy's view of a request; prefix keys only when something uses them."""
         if not self._wants_keys:
             return RouteRequest((), prompt_tokens, max_tokens)
         a = self._affinity
-        keys, ends, chars = prefix_keys(body, a.block_chars, a.max_blocks, a.coarse_block_chars, a.max_prefix_chars)
+        keys, ends, chars = prefix_keys(
+            prompt.segments, a.block_chars, a.max_blocks, a.coarse_block_chars, a.max_prefix_chars
+        )
         return RouteRequest(keys, prompt_tokens, max_tokens, ends, chars)
 
     def set_weights(self, weights: Mapping[str, float]) -> None:

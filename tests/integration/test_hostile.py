@@ -34,7 +34,21 @@ from tests.integration.harness import API_KEY, GatewayProcess, gateway_process, 
 MODEL = "m"
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 4.0
-ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+ENDPOINTS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/rerank",
+    "/v1/score",
+    "/tokenize",
+    "/detokenize",
+    "/v1/audio/transcriptions",
+]
+# Where errors come in Anthropic's envelope instead of OpenAI's.
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Every fuzzing test shares these settings: a real process answers each case; the cases
 # themselves are random (a failure prints the example that reproduces it).
 FUZZ = settings(
@@ -107,8 +121,11 @@ class Reply:
     body: bytes
 
 
-def assert_acceptable(reply: Reply, *, head: bool = False, deadline_sent: bool = False) -> None:
-    """A 2xx, or a 4xx with OpenAI's error body (or a 504 for a deadline the client set)."""
+def assert_acceptable(
+    reply: Reply, *, head: bool = False, deadline_sent: bool = False, anthropic: bool = False
+) -> None:
+    """A 2xx, or a 4xx with OpenAI's error body (Anthropic's on its endpoints), or a 504 for
+    a deadline the client set."""
     if deadline_sent and reply.status == 504:
         assert orjson.loads(reply.body)["error"]["code"] == "deadline_exceeded"
         return
@@ -117,7 +134,11 @@ def assert_acceptable(reply: Reply, *, head: bool = False, deadline_sent: bool =
         return
     assert 400 <= reply.status < 500, reply
     assert reply.headers.get("content-type", "").startswith("application/json"), reply
-    error = orjson.loads(reply.body)["error"]
+    body = orjson.loads(reply.body)
+    if anthropic and body.get("type") == "error":  # a 405 or 404 before any route is OpenAI's
+        assert isinstance(body["error"]["type"], str) and body["error"]["message"], reply
+        return
+    error = body["error"]
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str) and "code" in error and "param" in error
 
@@ -370,6 +391,20 @@ request_like = st.fixed_dictionaries(
         "seed": json_values,
         "tools": json_values,
         "metadata": json_values,
+        # Responses, Messages and vLLM's own endpoints.
+        "instructions": st.one_of(st.text(max_size=20), json_values),
+        "max_output_tokens": small_tokens,
+        "previous_response_id": st.one_of(st.text(max_size=12), json_values),
+        "store": json_values,
+        "background": json_values,
+        "system": st.one_of(st.text(max_size=20), json_values),
+        "stop_sequences": json_values,
+        "top_k": json_values,
+        "query": st.one_of(st.text(max_size=20), json_values),
+        "documents": st.one_of(st.lists(st.text(max_size=10), max_size=3), json_values),
+        "text_1": st.one_of(st.text(max_size=20), json_values),
+        "text_2": st.one_of(st.text(max_size=20), st.lists(st.text(max_size=10), max_size=3), json_values),
+        "tokens": st.one_of(st.lists(st.integers(-5, 70000), max_size=6), json_values),
     },
 ).map(dumps)
 bodies = st.one_of(
@@ -388,7 +423,8 @@ def test_fuzzed_bodies(
 ) -> None:
     with http.stream("POST", endpoint, content=body, headers={"Content-Type": "application/json"}) as response:
         data = response.read()
-    assert_acceptable(Reply(response.status_code, dict(response.headers), data))
+    reply = Reply(response.status_code, dict(response.headers), data)
+    assert_acceptable(reply, anthropic=endpoint in ANTHROPIC_PATHS)
 
 
 @pytest.fixture(scope="module")
@@ -451,7 +487,8 @@ def test_fuzzed_headers(
     method = b"GET" if endpoint in ("/v1/models", "/healthz") else b"POST"
     reply = exchange(gateway, request_bytes(endpoint, chat(), lines, method))
     assert reply is not None, "closed without an answer"
-    assert_acceptable(reply, deadline_sent=any(n.lower() == b"x-fleetgate-timeout-ms" for n, _ in lines))
+    deadline_sent = any(n.lower() == b"x-fleetgate-timeout-ms" for n, _ in lines)
+    assert_acceptable(reply, deadline_sent=deadline_sent, anthropic=endpoint in ANTHROPIC_PATHS)
 
 
 token = st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=12).map(str.encode)
@@ -507,7 +544,12 @@ def test_fuzzed_framing(gateway: GatewayProcess, logs: LogWatch, raw: bytes) -> 
     reply = exchange(gateway, raw)
     if reply is None:
         return  # closed without an answer (checked below: only for what is not HTTP at all)
-    assert_acceptable(reply, head=raw.startswith(b"HEAD "), deadline_sent=b"x-fleetgate-timeout-ms" in raw.lower())
+    assert_acceptable(
+        reply,
+        head=raw.startswith(b"HEAD "),
+        deadline_sent=b"x-fleetgate-timeout-ms" in raw.lower(),
+        anthropic=b" /v1/messages" in raw,
+    )
 
 
 def test_the_gateway_still_serves_after_the_abuse(gateway: GatewayProcess, logs: LogWatch) -> None:

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from cache.entry import CachedCompletion, EntryCorrupt, StreamCollector, from_json_response
-from gateway.sse import SseScanner
+from dialects.stream import SseScanner
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 USAGE = {"prompt_tokens": 5, "total_tokens": 8, "completion_tokens": 3}

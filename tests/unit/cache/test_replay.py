@@ -19,7 +19,7 @@ from aiohttp import web
 
 from cache.entry import CachedCompletion, StreamCollector
 from cache.replay import DONE, MAX_CHUNKS, new_completion_id, replay_events, replay_json, replay_sse, split_text
-from gateway.sse import SseScanner
+from dialects.stream import SseScanner
 from replicas.launcher import free_port
 from sim.engine import FixedRateConfig, FixedRateEngine
 from sim.server import create_app as create_sim_app

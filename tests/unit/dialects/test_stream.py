@@ -5,7 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.sse import MAX_EVENT_BYTES, SseError, SseScanner, error_event
+from dialects.envelopes import OPENAI
+from dialects.stream import MAX_EVENT_BYTES, SseError, SseScanner
 
 
 def ev(payload: object) -> bytes:
@@ -81,7 +82,7 @@ def test_usage_on_a_token_event_is_read_but_not_dropped() -> None:
 
 
 def test_error_event_shape() -> None:
-    raw = error_event("boom", "upstream_stream_error")
+    raw = OPENAI.event("boom", "upstream_stream_error")
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
     assert orjson.loads(raw[6:]) == {
         "error": {"message": "boom", "type": "server_error", "param": None, "code": "upstream_stream_error"}

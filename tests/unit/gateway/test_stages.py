@@ -20,13 +20,13 @@ from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
 from cache.entry import CachedCompletion
+from dialects.openai import CHAT
+from dialects.responses import RESPONSES_API
 from gateway.app import Gateway
-from gateway.request import Endpoint
 from gateway.settings import Settings, hash_key
 
 KEY = "sk-test"
 MODEL = "m"
-CHAT = Endpoint.CHAT
 
 
 def settings(**tenant: Any) -> Settings:
@@ -52,7 +52,7 @@ def request(body: dict[str, Any], key: str | None = KEY, **headers: str) -> web.
     if key is not None:
         sent["Authorization"] = f"Bearer {key}"
     sent["Content-Length"] = str(len(raw))
-    return make_mocked_request("POST", CHAT.value, headers=sent, payload=payload)
+    return make_mocked_request("POST", CHAT.path, headers=sent, payload=payload)
 
 
 def chat(content: str = "hi", **fields: Any) -> dict[str, Any]:
@@ -72,18 +72,21 @@ def logged(log: io.BytesIO, gw: Gateway) -> list[dict[str, Any]]:
 
 def test_the_path_is_declared_in_order(tmp_path: Path) -> None:
     gw, _ = gateway(tmp_path)
-    names = [stage.__name__ for stage in gw.stages.path]
+    names = [stage.__name__ for stage in gw.stages.paths[CHAT]]
     assert names == ["authenticate", "parse", "classify", "admit", "look_up_cache", "queue", "forward"]
+    # Responses recall their stored conversation before anything reads the prompt.
+    names = [stage.__name__ for stage in gw.stages.paths[RESPONSES_API]]
+    assert names == ["authenticate", "parse", "recall", "classify", "admit", "look_up_cache", "queue", "forward"]
 
 
 def test_no_cache_stage_when_no_tenant_uses_the_cache(tmp_path: Path) -> None:
     gw, _ = gateway(tmp_path, cache={"enabled": False})
-    assert "look_up_cache" not in [stage.__name__ for stage in gw.stages.path]
+    assert "look_up_cache" not in [stage.__name__ for stage in gw.stages.paths[CHAT]]
     # A reload that turns it on for a tenant brings the stage back.
     gw.apply_tenants(
         [t.model_copy(update={"cache": t.cache.model_copy(update={"enabled": True})}) for t in gw.settings.tenants], []
     )
-    assert "look_up_cache" in [stage.__name__ for stage in gw.stages.path]
+    assert "look_up_cache" in [stage.__name__ for stage in gw.stages.paths[CHAT]]
 
 
 async def test_a_request_without_a_key_stops_at_authenticate(tmp_path: Path) -> None:
@@ -146,7 +149,7 @@ async def test_a_cached_answer_is_replayed_by_the_cache_stage(tmp_path: Path) ->
     gw, log = gateway(tmp_path)
     body = chat(temperature=0)
     tenant = gw.tenants["t"]
-    plan = gw.cache.plan("t", MODEL, CHAT, body, tenant.cache, None)
+    plan = gw.cache.plan("t", MODEL, CHAT.path, body, tenant.cache, None)
     assert plan.key is not None
     assert await gw.cache.store(plan.key, CachedCompletion("chat", MODEL, "hello", "stop", 3, 2), tenant.cache)
     response = await gw.handle(request(body), CHAT)

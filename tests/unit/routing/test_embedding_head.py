@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dialects.base import PromptView
+from dialects.openai import CHAT
 from routing.classifier import (
     DEFAULT_TIERS,
     EMBEDDING,
@@ -35,8 +37,8 @@ from routing.word_frequency import EVERYDAY_ZIPF, default_word_frequency
 SHIPPED = Path(__file__).resolve().parents[3] / "routing" / "data" / "classifier-embedding.json"
 
 
-def user(text: str) -> dict[str, object]:
-    return {"model": "auto", "messages": [{"role": "user", "content": text}]}
+def user(text: str) -> PromptView:
+    return CHAT.prompt({"model": "auto", "messages": [{"role": "user", "content": text}]})
 
 
 def head(

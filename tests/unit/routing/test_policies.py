@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from common.breaker import BreakerConfig, CircuitBreaker
+from dialects.openai import CHAT
 from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Replica, ReplicaState
 from routing.policies import (
     LeastOutstandingTokens,
@@ -29,8 +30,11 @@ def replica(
     return r
 
 
-def chat(system: str, user: str) -> dict[str, object]:
-    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+def chat(system: str, user: str) -> tuple[str, ...]:
+    """The prompt's segments, as the chat dialect renders them for placement."""
+    return CHAT.prompt(
+        {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    ).segments
 
 
 SYSTEM_A = "You are the billing assistant for Acme. " * 30

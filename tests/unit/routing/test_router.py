@@ -10,6 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from common.breaker import BreakerConfig, CircuitBreaker
+from dialects.base import PromptView
+from dialects.openai import CHAT
 from replicas.replica import Replica, ReplicaState
 from routing.config import CapacitySettings, RetryBudgetSettings, RoutingSettings
 from routing.embedding_head import EmbeddingHead
@@ -43,9 +45,9 @@ def build(
     return router, registry
 
 
-def chat(text: str, system: str = "") -> dict[str, object]:
+def chat(text: str, system: str = "") -> PromptView:
     messages = [{"role": "system", "content": system}] if system else []
-    return {"messages": [*messages, {"role": "user", "content": text}]}
+    return CHAT.prompt({"messages": [*messages, {"role": "user", "content": text}]})
 
 
 def test_policy_names_make_their_policies() -> None:

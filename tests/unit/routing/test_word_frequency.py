@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dialects.openai import CHAT
 from routing.classifier import classify
 from routing.static_head import read_words
 from routing.word_frequency import (
@@ -69,7 +70,7 @@ EVERYDAY_ELSEWHERE = (
 @pytest.mark.parametrize("text", EVERYDAY_ELSEWHERE)
 def test_everyday_questions_in_the_other_latin_script_languages_read_as_common_too(text: str) -> None:
     assert default_word_frequency().offset(read_words(text)) > 0
-    classified = classify({"messages": [{"role": "user", "content": text}]})
+    classified = classify(CHAT.prompt({"messages": [{"role": "user", "content": text}]}))
     assert classified.head == "static" and classified.tier == "small", classified.header()
 
 
