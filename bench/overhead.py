@@ -2,7 +2,7 @@
 
 One command (needs `nginx` and `wrk`: `apt-get install nginx-light wrk`)::
 
-    .venv/bin/python bench/overhead.py [--duration 10] [--rounds 3]
+    .venv/bin/python bench/overhead.py [--duration 10] [--rounds 3] [--base REF]
 
 Method (all in one run, so the ratios hold on a shared, noisy machine):
 - core 0: the proxies under test (`taskset -c 0`), started once; only the one under load is busy.
@@ -18,6 +18,9 @@ Method (all in one run, so the ratios hold on a shared, noisy machine):
   client-bound when the relay is not saturated).
 - Memory: fleetgate's resident set idle (after start, before traffic) and with 1,000
   concurrent open streams (events paced at one per second), per stream.
+- With ``--base REF``: the gateway's code at that git ref runs beside it on core 0 (same
+  config, its own port) and takes its turn in every JSON and stream round, so a change's
+  cost is read as a ratio against the old code in the same run (``new / base``).
 
 Writes bench/results/overhead.md (and .json with the raw figures).
 """
@@ -35,6 +38,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -100,7 +104,7 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def process(
-    argv: list[str], cpu: int, log: Path, env: dict[str, str] | None = None
+    argv: list[str], cpu: int, log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT
 ) -> Iterator[subprocess.Popen[bytes]]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -108,7 +112,7 @@ def process(
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
-            cwd=ROOT,
+            cwd=cwd,
             start_new_session=True,
         )
     try:
@@ -121,6 +125,17 @@ def process(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def base_tree(ref: str, tmp: Path) -> Path:
+    """The repository at ``ref``, unpacked (git archive: the repository is not touched)."""
+    out = tmp / "base"
+    out.mkdir()
+    archive = tmp / "base.tar"
+    subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), ref], cwd=ROOT, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(out, filter="data")
+    return out
 
 
 def nginx_conf(tmp: Path, port: int) -> Path:
@@ -323,6 +338,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--open-streams", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.md")
+    parser.add_argument("--base", default=None, help="git ref of a gateway to measure beside this one (optional)")
     args = parser.parse_args()
     for tool in ("nginx", "wrk", "taskset"):
         if shutil.which(tool) is None:
@@ -334,14 +350,18 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="fleetgate-bench-"))
     (tmp / "body").mkdir()
-    p_nginx, p_sse, p_slow, p_bare, p_bare_sse, p_gw = (free_port() for _ in range(6))
+    p_nginx, p_sse, p_slow, p_bare, p_bare_sse, p_gw, p_base = (free_port() for _ in range(7))
+    base_name = f"fleetgate at {args.base}"
     script = post_script(tmp)
     # Per point and system, one result per round; bare and fleetgate alternate within a round.
     json_runs: dict[str, dict[int, list[WrkResult]]] = {
         "bare aiohttp proxy": {1: [], 32: []},
         "fleetgate": {1: [], 32: []},
+        **({base_name: {1: [], 32: []}} if args.base else {}),
     }
     sse_runs: dict[str, list[tuple[float, float | None]]] = {"bare aiohttp relay": [], "fleetgate": []}
+    if args.base:
+        sse_runs[base_name] = []
     total_points = 2 + 2 * args.rounds + args.rounds + 1
     done = 0
 
@@ -401,15 +421,33 @@ def main() -> int:
                 tmp / "gateway.log",
             )
         )
+        base_gw = None
+        if args.base:
+            tree = base_tree(args.base, tmp)
+            base_cfg = tmp / "base.yaml"
+            base_cfg.write_text(cfg.read_text().replace(f"port: {p_gw}", f"port: {p_base}"))
+            base_gw = stack.enter_context(
+                process(
+                    [PY, "-m", "gateway.cli", "serve", "--config", str(base_cfg), "--log-dir", str(tmp / "base-logs")],
+                    0,
+                    tmp / "base.log",
+                    env={"PYTHONPATH": str(tree)},
+                    cwd=tree,
+                )
+            )
         wait_http(f"http://127.0.0.1:{p_bare}/health")
         wait_http(f"http://127.0.0.1:{p_bare_sse}/health")
         wait_http(f"http://127.0.0.1:{p_gw}/readyz")
+        if args.base:
+            wait_http(f"http://127.0.0.1:{p_base}/readyz")
         time.sleep(2.0)
         idle_rss = rss_mb(child_pid(gw))
         urls = {
             "bare aiohttp proxy": f"http://127.0.0.1:{p_bare}/v1/chat/completions",
             "fleetgate": f"http://127.0.0.1:{p_gw}/v1/chat/completions",
         }
+        if args.base:
+            urls[base_name] = f"http://127.0.0.1:{p_base}/v1/chat/completions"
         for url in urls.values():
             wrk(url, 32, 2, script)  # warm-up
         progress("warm-up")
@@ -432,6 +470,10 @@ def main() -> int:
             sse_runs["fleetgate"].append(
                 stream_rate(urls["fleetgate"], "bench-stream", args.streams, args.duration, child_pid(gw))
             )
+            if base_gw is not None:
+                sse_runs[base_name].append(
+                    stream_rate(urls[base_name], "bench-stream", args.streams, args.duration, child_pid(base_gw))
+                )
             progress(f"streams round {r + 1}")
 
         before, during = open_streams_rss(urls["fleetgate"], "bench-slow", args.open_streams, child_pid(gw))
@@ -446,6 +488,11 @@ def main() -> int:
         "p50_c1_vs_bare": [f.p50_ms / b.p50_ms for b, f in zip(bare[1], fg[1], strict=True)],
         "sse_vs_bare": [f[0] / b[0] for b, f in zip(bare_sse_runs, fg_sse_runs, strict=True)],
     }
+    if args.base:
+        old, old_sse = json_runs[base_name], sse_runs[base_name]
+        per_round["rps_c32_vs_base"] = [f.rps / o.rps for o, f in zip(old[32], fg[32], strict=True)]
+        per_round["rps_c1_vs_base"] = [f.rps / o.rps for o, f in zip(old[1], fg[1], strict=True)]
+        per_round["sse_vs_base"] = [f[0] / o[0] for o, f in zip(old_sse, fg_sse_runs, strict=True)]
     ratios = {k: statistics.median(v) for k, v in per_round.items()}
     results: dict[str, object] = {}
     results.update(
@@ -513,7 +560,8 @@ def write_report(
         "# Gateway overhead",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `.venv/bin/python bench/overhead.py"
-        f" --duration {args.duration} --rounds {args.rounds}` on this machine ({os.cpu_count()} cores, shared;"
+        f" --duration {args.duration} --rounds {args.rounds}{f' --base {args.base}' if args.base else ''}`"
+        f" on this machine ({os.cpu_count()} cores, shared;"
         f" load average at the end {os.getloadavg()[0]:.1f}).",
         "",
         "## Method (all in one run, so the ratios hold on a shared, noisy machine)",
@@ -575,6 +623,15 @@ def write_report(
         f"- SSE events/s: {listing(per_round['sse_vs_bare'], '.2f')}",
         "",
     ]
+    if args.base:
+        lines += [
+            f"Against the code at `{args.base}` in the same rounds (fleetgate / base; medians, then per round):",
+            "",
+            f"- req/s at c=32: {ratios['rps_c32_vs_base']:.3f} ({listing(per_round['rps_c32_vs_base'], '.3f')})",
+            f"- req/s at c=1: {ratios['rps_c1_vs_base']:.3f} ({listing(per_round['rps_c1_vs_base'], '.3f')})",
+            f"- SSE events/s: {ratios['sse_vs_base']:.3f} ({listing(per_round['sse_vs_base'], '.3f')})",
+            "",
+        ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
 

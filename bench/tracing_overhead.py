@@ -50,9 +50,7 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import timeit
@@ -65,7 +63,17 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import core_busy_idle, cpu_model, spare_share
-from bench.overhead import WrkResult, cpu_seconds, gateway_config, nginx_conf, post_script, process, wait_http, wrk
+from bench.overhead import (
+    WrkResult,
+    base_tree,
+    cpu_seconds,
+    gateway_config,
+    nginx_conf,
+    post_script,
+    process,
+    wait_http,
+    wrk,
+)
 from bench.shared_core import Shared, geometric_ratios, pairings, shared_core
 from gateway.tracing import start_trace
 from replicas.launcher import free_port
@@ -110,17 +118,6 @@ class Run:
     gateway_cpu_us: float  # per request
     sink_cpu_us: float  # per request
     core1_idle: float  # share of the run
-
-
-def base_tree(ref: str, tmp: Path) -> Path:
-    """The repository at ``ref``, unpacked (git archive: the repository is not touched)."""
-    out = tmp / "base"
-    out.mkdir()
-    archive = tmp / "base.tar"
-    subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), ref], cwd=ROOT, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(out, filter="data")
-    return out
 
 
 def sink_conf(tmp: Path, port: int) -> Path:
