@@ -1,193 +1,222 @@
 """A vLLM-compatible server backed by a simulated GPU (``engine: sim``, ``fleetgate sim``).
 
-It serves what the gateway and its tests use of vLLM's OpenAI server, byte-compatible in
-shape: ``/health``, ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions``
-(streaming with ``stream_options.include_usage``, non-streaming with ``usage``),
-``/v1/embeddings`` (deterministic vectors) and ``/metrics`` with vLLM's metric names.
-*When* tokens come out is the engine's business (``sim.engine``).
+It serves what the gateway and its tests use of vLLM's HTTP API, byte-compatible in shape:
+
+    GET  /health, /v1/models, /metrics (vLLM's metric names); POST /reset_prefix_cache
+    POST /v1/chat/completions, /v1/completions    streamed (``stream_options.include_usage``) or whole
+    POST /v1/responses                            OpenAI's Responses API (``sim.responses_api``)
+    POST /v1/messages, /v1/messages/count_tokens  Anthropic's Messages API (``sim.messages_api``)
+    POST /v1/embeddings, /v1/score, /score, /v1/rerank, /rerank
+                                                  deterministic vectors and scores (``sim.pooling_api``)
+    POST /tokenize, /detokenize                   the engine's own tokens (``sim.tokenize_api``)
+
+Every generation endpoint runs the same request path (``sim.generation``); *when* tokens
+come out is the engine's business (``sim.engine``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import math
-import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from sim.engine import FixedRateConfig, FixedRateEngine, SimEngine, SimRequest
+from sim import messages_api, pooling_api, responses_api, tokenize_api
+from sim.engine import FixedRateConfig, FixedRateEngine, SimEngine
+from sim.generation import Call, Generation, ToolCall, forced_call, max_tokens_of, seed_of, serve
+from sim.prompts import chat_turns, render_chat
+from sim.wire import ENGINE_KEY, MAX_MODEL_LEN_KEY, MODEL_KEY, Rejection, check_model, openai_error
 
-# vLLM's default when a chat request sets no max_tokens is "the rest of the context";
-# the simulator uses a bounded stand-in so a forgotten max_tokens cannot stream forever.
-DEFAULT_MAX_TOKENS = 256
-EMBEDDING_DIM = 64
-ENGINE_KEY = web.AppKey("engine", SimEngine)
-MODEL_KEY = web.AppKey("model", str)
 BUSY_HEALTH_DELAY_KEY = web.AppKey("busy_health_delay_s", float)
+# /tokenize reports the context length; the fixed-rate engine has none, so it reports the
+# native context of Llama 3.1, the model most profiles simulate.
+DEFAULT_MAX_MODEL_LEN = 131_072
 
 
-def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
-    # vLLM's error body (OpenAI's envelope, with vLLM's type names).
-    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+class OpenAIApi:
+    """vLLM's ``/v1/chat/completions`` (``kind`` "chat") and ``/v1/completions`` ("completion").
 
+    A chat request whose ``tool_choice`` forces a call ("required" or ``{"type": "function",
+    "function": {"name": ...}}``) is answered with that one call: ``message.tool_calls``,
+    ``content`` null, ``finish_reason`` "tool_calls"; streamed as ``tool_calls`` deltas at index 0,
+    the first carrying the call's id, type and name.
+    """
 
-def _prompt_text(kind: str, body: dict[str, Any]) -> str | None:
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return None
-        parts = []
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                parts.append(f"<|{m.get('role')}|>{content}")
-            elif isinstance(content, list):
-                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
-        return "\n".join(parts) + "\n<|assistant|>"
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        return " ".join(str(p) for p in prompt)
-    return None
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
+    def new_id(self) -> str:
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        return f"{prefix}-{uuid.uuid4().hex}"
 
-async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
-    engine = request.app[ENGINE_KEY]
-    served = request.app[MODEL_KEY]
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        return _error(400, "Invalid JSON body")
-    if not isinstance(body, dict):
-        return _error(400, "Body must be a JSON object")
-    if body.get("model") != served:
-        return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
-    prompt = _prompt_text(kind, body)
-    if prompt is None:
-        return _error(400, "messages or prompt missing")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        return _error(400, "max_tokens must be a positive integer")
-    seed = body.get("seed") if isinstance(body.get("seed"), int) else None
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    rid = f"{prefix}-{uuid.uuid4().hex}"
-    try:
-        stream = engine.submit(SimRequest(request_id=rid, prompt=prompt, max_tokens=max_tokens, seed=seed))
-    except ValueError as exc:  # the prompt does not fit the context window
-        return _error(400, str(exc))
-    created = int(time.time())
-    try:
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            return await _stream(request, kind, stream, rid, created, served, bool(options.get("include_usage")))
-        pieces = [piece async for piece in stream]
-    finally:
-        stream.cancel()
-    text = "".join(pieces)
-    usage = _usage(stream.prompt_tokens, stream.completion_tokens)
-    if kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "tool_calls": []},
-            "logprobs": None,
-            "finish_reason": stream.finish_reason,
-            "stop_reason": None,
+    def parse(self, body: dict[str, Any], served: str) -> Generation | Rejection:
+        rejection = check_model(body, served)
+        if rejection is not None:
+            return rejection
+        prompt = self._prompt(body)
+        if prompt is None:
+            return Rejection(400, "messages or prompt missing")
+        max_tokens = max_tokens_of(body, "max_completion_tokens", "max_tokens")
+        if isinstance(max_tokens, Rejection):
+            return max_tokens
+        tool_call = _tool_call_of(body) if self.kind == "chat" else None
+        if isinstance(tool_call, Rejection):
+            return tool_call
+        stream, seed = bool(body.get("stream")), seed_of(body)
+        return Generation(prompt, max_tokens, stream=stream, seed=seed, tool_call=tool_call)
+
+    def _prompt(self, body: dict[str, Any]) -> str | None:
+        if self.kind == "chat":
+            messages = body.get("messages")
+            return render_chat(chat_turns(messages)) if isinstance(messages, list) and messages else None
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt:
+            return " ".join(str(p) for p in prompt)
+        return None
+
+    def error(self, rejection: Rejection) -> web.Response:
+        return openai_error(rejection)
+
+    def complete(self, call: Call, text: str) -> dict[str, Any]:
+        tokens = call.tokens
+        tool_call = call.generation.tool_call
+        if tool_call is not None:
+            function = {"name": tool_call.name, "arguments": text}
+            calls = [{"id": _call_id(), "type": "function", "function": function}]
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                "logprobs": None,
+                "finish_reason": tokens.finish_reason,
+                "stop_reason": None,
+            }
+            obj = "chat.completion"
+        elif self.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": tokens.finish_reason,
+                "stop_reason": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": tokens.finish_reason,
+                "stop_reason": None,
+            }
+            obj = "text_completion"
+        usage = _usage(tokens.prompt_tokens, tokens.completion_tokens)
+        return {
+            "id": call.id,
+            "object": obj,
+            "created": call.created,
+            "model": call.model,
+            "choices": [choice],
+            "usage": usage,
         }
-        obj = "chat.completion"
+
+    async def stream(self, call: Call) -> AsyncIterator[bytes]:
+        chat = self.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": call.id, "object": obj, "created": call.created, "model": call.model}
+
+        def event(payload: dict[str, Any]) -> bytes:
+            return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+        tool_call = call.generation.tool_call
+        call_id = _call_id()
+        sent = 0  # pieces sent so far: the first piece of a tool call also names the call
+
+        def choice(text: str, finish: str | None) -> dict[str, Any]:
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            if tool_call is not None and text:
+                delta = _call_delta(tool_call, call_id, text, first=sent == 0)
+            else:
+                delta = {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        pending: str | None = None
+        async for piece in call.tokens:
+            if pending is None and chat:
+                # Like vLLM: the role-only delta goes out when the first token is ready.
+                first = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                yield event({**head, "choices": [first]})
+            # Hold one piece back so the last one can carry finish_reason, as vLLM does.
+            if pending is not None:
+                yield event({**head, "choices": [choice(pending, None)]})
+                sent += 1
+            pending = piece
+        yield event({**head, "choices": [choice(pending or "", call.tokens.finish_reason)]})
+        options = call.body.get("stream_options") or {}
+        if options.get("include_usage"):
+            usage = _usage(call.tokens.prompt_tokens, call.tokens.completion_tokens)
+            yield event({**head, "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+
+
+def _tool_call_of(body: dict[str, Any]) -> ToolCall | Rejection | None:
+    """The call a chat request's forcing ``tool_choice`` asks for; None for "auto", "none" or no choice."""
+    choice = body.get("tool_choice")
+    if choice == "required":
+        name = None
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
     else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": stream.finish_reason,
-            "stop_reason": None,
-        }
-        obj = "text_completion"
-    payload = {"id": rid, "object": obj, "created": created, "model": served, "choices": [choice], "usage": usage}
-    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+        return None
+    tools = body.get("tools")
+    functions = [
+        (tool["function"]["name"], tool["function"].get("parameters"))
+        for tool in (tools if isinstance(tools, list) else [])
+        if isinstance(tool, dict)
+        and isinstance(tool.get("function"), dict)
+        and isinstance(tool["function"].get("name"), str)
+    ]
+    return forced_call(functions, name if isinstance(name, str) else None)
 
 
-async def _stream(
-    request: web.Request, kind: str, stream: Any, rid: str, created: int, served: str, include_usage: bool
-) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    head = {"id": rid, "object": obj, "created": created, "model": served}
+def _call_id() -> str:
+    """vLLM's id for a chat tool call."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
-    def event(payload: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-    def choice(text: str, finish: str | None) -> dict[str, Any]:
-        if kind == "chat":
-            return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-
-    pending: str | None = None
-    async for piece in stream:
-        if pending is None and kind == "chat":
-            # Like vLLM: the role-only delta goes out when the first token is ready.
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            await response.write(event({**head, "choices": [first]}))
-        # Hold one piece back so the last one can carry finish_reason, as vLLM does.
-        if pending is not None:
-            await response.write(event({**head, "choices": [choice(pending, None)]}))
-        pending = piece
-    await response.write(event({**head, "choices": [choice(pending or "", stream.finish_reason)]}))
-    if include_usage:
-        usage = _usage(stream.prompt_tokens, stream.completion_tokens)
-        await response.write(event({**head, "choices": [], "usage": usage}))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+def _call_delta(tool_call: ToolCall, call_id: str, piece: str, *, first: bool) -> dict[str, Any]:
+    """A streamed piece of a call's arguments; the first piece also names the call (vLLM's DeltaToolCall)."""
+    if not first:
+        return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+    function = {"name": tool_call.name, "arguments": piece}
+    return {"tool_calls": [{"id": call_id, "type": "function", "index": 0, "function": function}]}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
 
+CHAT = OpenAIApi("chat")
+COMPLETIONS = OpenAIApi("completion")
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "chat")
+    return await serve(request, CHAT)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "completion")
-
-
-async def embeddings(request: web.Request) -> web.Response:
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        return _error(400, "Invalid JSON body")
-    if not isinstance(body, dict) or body.get("model") != request.app[MODEL_KEY]:
-        return _error(404, "The model does not exist.", "NotFoundError")
-    inputs = body.get("input")
-    texts = [inputs] if isinstance(inputs, str) else inputs
-    if not isinstance(texts, list) or not texts:
-        return _error(400, "input missing")
-    data = [{"object": "embedding", "index": i, "embedding": _vector(str(t))} for i, t in enumerate(texts)]
-    tokens = sum(max(1, len(str(t)) // 4) for t in texts)
-    payload = {
-        "object": "list",
-        "data": data,
-        "model": request.app[MODEL_KEY],
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-    }
-    return web.Response(body=orjson.dumps(payload), content_type="application/json")
-
-
-def _vector(text: str) -> list[float]:
-    digest = hashlib.sha512(text.encode()).digest()
-    raw = [(digest[i % len(digest)] - 127.5) / 127.5 for i in range(EMBEDDING_DIM)]
-    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
-    return [x / norm for x in raw]
+    return await serve(request, COMPLETIONS)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -246,18 +275,35 @@ def build_engine(
     )
 
 
-def create_app(engine: SimEngine, served_model: str, *, busy_health_delay_s: float = 0.0) -> web.Application:
+def create_app(
+    engine: SimEngine,
+    served_model: str,
+    *,
+    busy_health_delay_s: float = 0.0,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+) -> web.Application:
+    """The server's routes, all registered here."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app[MODEL_KEY] = served_model
+    app[MAX_MODEL_LEN_KEY] = max_model_len
     app[BUSY_HEALTH_DELAY_KEY] = busy_health_delay_s
+    app[tokenize_api.VOCABULARY_KEY] = tokenize_api.Vocabulary()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", responses_api.create_response)
+    app.router.add_post("/v1/messages", messages_api.create_message)
+    app.router.add_post("/v1/messages/count_tokens", messages_api.count_tokens)
+    app.router.add_post("/v1/embeddings", pooling_api.embeddings)
+    for prefix in ("", "/v1"):
+        app.router.add_post(f"{prefix}/score", pooling_api.score)
+        app.router.add_post(f"{prefix}/rerank", pooling_api.rerank)
+    app.router.add_post("/tokenize", tokenize_api.tokenize)
+    app.router.add_post("/detokenize", tokenize_api.detokenize)
 
     async def _close(app: web.Application) -> None:
         await app[ENGINE_KEY].close()
@@ -305,8 +351,15 @@ def run(args: argparse.Namespace) -> None:
         num_blocks=args.num_gpu_blocks_override,
         block_size=args.block_size,
     )
+    from sim.batched_engine import BatchedSimEngine
+
+    # A profile's context window, as its engine was built (a KV-cache override may shrink it).
+    max_model_len = engine.profile.max_model_len if isinstance(engine, BatchedSimEngine) else DEFAULT_MAX_MODEL_LEN
+    app = create_app(
+        engine, args.model, busy_health_delay_s=args.busy_health_delay_ms / 1000, max_model_len=max_model_len
+    )
     web.run_app(
-        create_app(engine, args.model, busy_health_delay_s=args.busy_health_delay_ms / 1000),
+        app,
         host=args.host,
         port=args.port,
         print=None,
