@@ -213,3 +213,34 @@ async def test_the_conversation_survives_the_loss_of_the_replica_of_its_last_tur
         assert second.status in ("completed", "incomplete") and second.output_text
         assert second.usage is not None and second.usage.output_tokens == 4
         assert second.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+
+
+async def test_an_agent_turn_with_a_tool_call_through_the_gateway(tmp_path: Path) -> None:
+    """The OpenAI Agents SDK speaks Responses by default: one agent turn whose model must
+    call a tool, then answers with the tool's output in its input (two requests through the
+    gateway, the second carrying the function call and its output)."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    calls: list[tuple[int, int]] = []
+
+    @agents.function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    async with one_gateway(tmp_path) as (url, gw, access):
+        model = agents.OpenAIResponsesModel(model=MODEL, openai_client=client(url))
+        agent = agents.Agent(
+            name="adder",
+            instructions="Use the tool.",
+            model=model,
+            tools=[add],
+            model_settings=agents.ModelSettings(tool_choice="required"),
+        )
+        result = await agents.Runner.run(agent, "What is 1 + 1?")
+        assert calls == [(1, 1)]
+        assert isinstance(result.final_output, str) and result.final_output
+        gw.access_log.flush()
+        lines = [line for line in access_lines(access) if line["endpoint"] == "responses"]
+        assert len(lines) == 2 and all(line["status"] == 200 for line in lines)
