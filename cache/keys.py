@@ -13,9 +13,16 @@ Left out of the key (``NOT_IN_KEY``):
     stream           a streamed and a non-streamed request share one entry; replay re-shapes
     stream_options   delivery only (``include_usage`` is honoured at replay)
     user, metadata   labels for the caller's bookkeeping
-    store            OpenAI's "keep for distillation" flag, not a generation parameter
+    store            keep the answer (chat: for distillation; Responses: in the gateway's
+                     response store, which a cache hit still does), not a generation parameter
     service_tier     latency class, not content
     priority, request_id   vLLM scheduling and tracing
+
+and, for one kind only (``KIND_NOT_IN_KEY``; chat's and completions' key material is
+unchanged by them):
+
+    previous_response_id   Responses: the gateway has already expanded it into ``input``
+                           (``gateway.responses_state``), which the key covers whole
 
 Canonical form (``canonical_body``): keys sorted at every depth, no whitespace (orjson
 re-serialises the parsed body, so the client's key order and spacing vanish), ``null``
@@ -25,6 +32,11 @@ into ``max_tokens`` (both mean the same cap), and documented defaults dropped (`
 ``top_p: 1``, penalties ``0``, ``logprobs: false``, ``echo: false``). Nothing inside
 ``messages``, ``prompt`` or ``tools`` is rewritten: a chat template may render ``"text"``
 and ``[{"type": "text", ...}]`` differently, so they stay different keys.
+
+Which requests (``cacheability``): the four kinds of ``Dialect.cache_kind`` (chat,
+completions, Responses, Messages) under the same rules: greedy (``temperature`` 0 or
+``top_k`` 1) or seeded (where the API takes a ``seed``: not Messages) unless the tenant opts
+in to sampled ones, one answer per request, no log-probabilities.
 
 Tenant isolation: the tenant's scope is hashed into the digest *and* prefixes the key
 (``<scope>:<sha256 hex>``), so a hit across tenants would need a SHA-256 collision, and a
@@ -57,6 +69,12 @@ SEMANTIC_SCOPE_VERSION = "fg-semantic-1"
 NOT_IN_KEY = frozenset(
     {"model", "stream", "stream_options", "user", "metadata", "store", "service_tier", "priority", "request_id"}
 )
+# Left out of one kind's keys besides NOT_IN_KEY, so that the other kinds' keys stay as they were.
+KIND_NOT_IN_KEY: dict[str, frozenset[str]] = {"responses": frozenset({"previous_response_id"})}
+# The kinds whose API takes a ``seed`` that fixes sampling; Anthropic's Messages has none.
+SEEDED_KINDS = frozenset({"chat", "completion", "responses"})
+# Responses: the ``include`` value that asks for the text's log-probabilities.
+RESPONSES_LOGPROBS = "message.output_text.logprobs"
 # Sampling parameters whose integer and float spellings mean the same thing.
 FLOAT_FIELDS = frozenset(
     {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty"}
@@ -171,7 +189,8 @@ def plan_request(
 
 
 def endpoint_kind(endpoint: str) -> Kind | None:
-    """``"chat"`` or ``"completion"`` for the endpoints the exact cache serves, else None."""
+    """The kind of answer (``"chat"``, ``"completion"``, ``"responses"``, ``"messages"``) for
+    the endpoints the exact cache serves, else None."""
     return ENDPOINT_KINDS.get(endpoint)
 
 
@@ -187,17 +206,17 @@ def cacheability(endpoint: str, body: dict[str, Any], settings: CacheSettings) -
         return Cacheability.MULTIPLE_CHOICES
     if kind == "completion" and _is_batch(body.get("prompt")):
         return Cacheability.BATCH_PROMPT
-    if _wants_logprobs(body):
+    if _wants_logprobs(body) or (kind == "responses" and _includes_logprobs(body)):
         return Cacheability.LOGPROBS
-    if not settings.cache_nondeterministic and not is_deterministic(body):
+    if not settings.cache_nondeterministic and not is_deterministic(body, kind):
         return Cacheability.NONDETERMINISTIC
     return Cacheability.CACHEABLE
 
 
-def is_deterministic(body: dict[str, Any]) -> bool:
-    """Greedy decoding (temperature 0 or top_k 1) or a fixed seed.
+def is_deterministic(body: dict[str, Any], kind: Kind = "chat") -> bool:
+    """Greedy decoding (temperature 0 or top_k 1) or, where the API takes one, a fixed seed.
 
-    An absent temperature is OpenAI's (and vLLM's) default of 1: sampling.
+    An absent temperature is OpenAI's, Anthropic's and vLLM's default of 1: sampling.
     """
     temperature = body.get("temperature")
     if _is_number(temperature) and temperature == 0:
@@ -206,14 +225,15 @@ def is_deterministic(body: dict[str, Any]) -> bool:
     if _is_number(top_k) and top_k == 1:
         return True
     seed = body.get("seed")
-    return isinstance(seed, int) and not isinstance(seed, bool)
+    return kind in SEEDED_KINDS and isinstance(seed, int) and not isinstance(seed, bool)
 
 
-def canonical_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The fields that change the answer, in one spelling (see the module docstring)."""
+def canonical_body(body: dict[str, Any], also_excluded: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The fields that change the answer, in one spelling (see the module docstring);
+    ``also_excluded``: a kind's own exclusions (``KIND_NOT_IN_KEY``)."""
     out: dict[str, Any] = {}
     for name, value in body.items():
-        if name in NOT_IN_KEY or value is None:
+        if name in NOT_IN_KEY or value is None or name in also_excluded:
             continue
         if name in FLOAT_FIELDS and _is_number(value):
             value = float(value)
@@ -241,7 +261,7 @@ def exact_key(scope: str, model: str, endpoint: str, body: dict[str, Any]) -> st
     ``"auto@large"``, when a header overrides the classifier.
     """
     material = orjson.dumps(
-        [KEY_VERSION, scope, model, endpoint, canonical_body(body)],
+        [KEY_VERSION, scope, model, endpoint, canonical_body(body, _kind_excluded(endpoint))],
         option=orjson.OPT_SORT_KEYS,
     )
     return f"{escape_scope(scope)}:{hashlib.sha256(material).hexdigest()}"
@@ -260,7 +280,7 @@ def semantic_query(scope: str, model: str, endpoint: str, body: dict[str, Any]) 
         return None
     rest = BY_PATH[endpoint].without_question(body)
     material = orjson.dumps(
-        [SEMANTIC_SCOPE_VERSION, scope, model, endpoint, canonical_body(rest)],
+        [SEMANTIC_SCOPE_VERSION, scope, model, endpoint, canonical_body(rest, _kind_excluded(endpoint))],
         option=orjson.OPT_SORT_KEYS,
     )
     return SemanticQuery(f"{escape_scope(scope)}:{hashlib.sha256(material).hexdigest()}", text)
@@ -271,8 +291,9 @@ def semantic_text(endpoint: str, body: dict[str, Any]) -> str | None:
 
     The question of the endpoint's dialect (``Dialect.question``), for the endpoints the
     exact cache serves: chat's last message, when it is a user message with string content;
-    the one completions prompt string. Known before the model is: the classifier embeds the
-    same text.
+    the one completions prompt string. Responses and Messages have none (their dialects name
+    no question): they use the exact cache only. Known before the model is: the classifier
+    embeds the same text.
     """
     if endpoint_kind(endpoint) is None:
         return None
@@ -295,6 +316,11 @@ def split_key(key: str) -> tuple[str, str]:
 _NO_DEFAULT = object()
 
 
+def _kind_excluded(endpoint: str) -> frozenset[str]:
+    kind = endpoint_kind(endpoint)
+    return KIND_NOT_IN_KEY.get(kind, frozenset()) if kind is not None else frozenset()
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -310,3 +336,8 @@ def _wants_logprobs(body: dict[str, Any]) -> bool:
     if logprobs is not None and logprobs is not False:
         return True
     return body.get("top_logprobs") is not None or body.get("prompt_logprobs") is not None
+
+
+def _includes_logprobs(body: dict[str, Any]) -> bool:
+    include = body.get("include")
+    return isinstance(include, list) and RESPONSES_LOGPROBS in include

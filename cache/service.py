@@ -8,8 +8,9 @@ Where each call sits on the request path (``gateway.app.Gateway.handle``)::
                      hit = await cache.find(plan)     exact, then semantic -> replay, settle
                      lead = await cache.coalesce(plan.key, wait_s) if plan.coalesce
                                                       -> a CachedCompletion: replay, settle
-    7 proxy          with lead: ... collect the answer (entry.from_json_response, or a
-                     StreamCollector fed each block SseScanner.feed returns) ...
+    7 proxy          with lead: ... collect the answer (entry.from_json_response, or the
+                     kind's entry.stream_collector fed each block the scanner returns,
+                     its result read with the scanner's usage and final answer) ...
                          lead.publish(completion)
     8 settle         cache.store_later(plan.key, completion, tenant.cache, plan.semantic)
                      if plan.store
@@ -37,8 +38,9 @@ from types import TracebackType
 from typing import Any
 
 from cache.coalesce import Coalescer, Leader, Wake
+from cache.collect import StreamCollector, stream_collector
 from cache.config import CacheServiceSettings, CacheSettings
-from cache.entry import CachedCompletion, EntryCorrupt, Kind, StreamCollector
+from cache.entry import CachedCompletion, EntryCorrupt, Kind
 from cache.keys import (
     Cacheability,
     CachePlan,
@@ -165,7 +167,7 @@ class ResponseCache:
     def collector(kind: Kind, settings: CacheSettings) -> StreamCollector:
         """A collector for a streamed answer that gives up once it could not be stored anyway."""
         # Characters never outnumber UTF-8 bytes, so this bound is safe and cheap to check.
-        return StreamCollector(kind, max_chars=settings.max_entry_bytes)
+        return stream_collector(kind, max_chars=settings.max_entry_bytes)
 
     @staticmethod
     def tokens_to_charge(completion: CachedCompletion, settings: CacheSettings) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 from dialects.base import (
     CHARS_PER_TOKEN,
     TOKENS_PER_MESSAGE,
+    CacheKind,
     Call,
     Dialect,
     InvalidBody,
@@ -40,6 +41,7 @@ class Messages(Dialect):
     streams = True
     generates = True
     classifiable = True
+    cache_kind: CacheKind | None = "messages"
     max_tokens_fields = ("max_tokens",)
     forward_headers = ANTHROPIC_HEADERS
     errors = ANTHROPIC
@@ -114,6 +116,7 @@ class CountTokens(Messages):
     streams = False
     generates = False
     classifiable = False
+    cache_kind = None
 
     def parse(self, raw: bytes, content_type: str | None = None) -> Call:
         body = json_object(raw)

@@ -31,7 +31,7 @@ TOKENS_PER_MESSAGE = 4
 MAX_JSON_DEPTH = 128
 JSON = "application/json"
 # The kinds of answer the exact cache keeps and replays (``cache.entry``).
-CacheKind: TypeAlias = Literal["chat", "completion"]
+CacheKind: TypeAlias = Literal["chat", "completion", "responses", "messages"]
 # Separators of a prompt's segments (``PromptView.segments``): a role, then its text.
 ROLE_END, TURN_END = "\x1f", "\x1e"
 
@@ -110,13 +110,16 @@ class Dialect:
     generates: bool = False
     # Whether ``auto`` (and the tenant's classify_models) is classified into a tier.
     classifiable: bool = False
-    # The exact cache's kind for this API's answers ("chat", "completion"), or None.
+    # The exact cache's kind for this API's answers (how ``cache.entry`` keeps them), or None.
     cache_kind: CacheKind | None = None
     # The body fields that cap generated tokens: the first one present is the one a clamp
     # lowers, else the last is set.
     max_tokens_fields: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
     # A multipart upload (audio), bounded by ``server.max_audio_bytes`` instead of ``max_body_bytes``.
     multipart: bool = False
+    # A whole answer is a JSON object (one that is not is a replica's failure, retried);
+    # audio answers as text, SRT or VTT when the client asks for them.
+    answers_json: bool = True
     # Request headers passed on to the replica as they came (lower case).
     forward_headers: tuple[str, ...] = ()
     errors: OpenAIErrors | AnthropicErrors = OPENAI

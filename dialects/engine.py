@@ -56,6 +56,7 @@ class Audio(Dialect):
 
     prompt_param = "file"
     multipart = True
+    answers_json = False
 
     def __init__(self, name: str, path: str) -> None:
         self.name, self.path, self.operation = name, path, name

@@ -14,6 +14,8 @@ into the full input first), so any replica can answer any turn.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -47,6 +49,7 @@ class Responses(Dialect):
     streams = True
     generates = True
     classifiable = True
+    cache_kind = "responses"
     max_tokens_fields = ("max_output_tokens",)
     errors = RESPONSES
 
@@ -153,6 +156,23 @@ class ResponsesScanner(TypedEventScanner):
         if isinstance(response, dict):
             self.final = response
             self.usage = responses_usage(response.get("usage"))
+
+
+_NO_PREVIOUS = re.compile(rb'"previous_response_id"\s*:\s*null')
+
+
+def echo_previous(previous: str) -> Callable[[bytes], bytes]:
+    """Put ``previous`` back in a replica's answer (a body, or whole stream events).
+
+    The replica was sent the expanded input without ``previous_response_id``, so its answer
+    says ``null``; OpenAI's API (and vLLM, when it keeps responses itself) echoes the id.
+    """
+    value = b'"previous_response_id":' + orjson.dumps(previous)
+
+    def rewrite(data: bytes) -> bytes:
+        return _NO_PREVIOUS.sub(value, data) if b"previous_response_id" in data else data
+
+    return rewrite
 
 
 def responses_usage(usage: Any) -> dict[str, int] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -124,6 +124,9 @@ class Exchange:
     answer: dict[str, Any] | None = None
     # Keeps a stored Responses answer before the client sees its end (``gateway.responses_state``).
     keep: Keeper | None = None
+    # Restores in the replica's answer what the gateway took out of the request (a Responses
+    # answer's ``previous_response_id``), applied to whole events or the whole body.
+    rewrite: Callable[[bytes], bytes] | None = None
     # Request headers the dialect passes on to the replica (``anthropic-version``...).
     forward: dict[str, str] | None = None
     first_token_at: float | None = None
@@ -132,7 +135,7 @@ class Exchange:
     tried: set[str] = field(default_factory=set)
     # The client's stream, once prepared (keep-alives or the first event sent).
     response: web.StreamResponse | None = None
-    # Set when the answer may be cached: its kind ("chat"/"completion") and, once the
+    # Set when the answer may be cached: its kind (the dialect's ``cache_kind``) and, once the
     # response ended well, the answer itself.
     cache_kind: Kind | None = None
     cache_max_chars: int = 0

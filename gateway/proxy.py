@@ -32,7 +32,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from cache.entry import StreamCollector, from_json_response
+from cache.collect import stream_collector
+from cache.entry import from_json_response
 from dialects.stream import SseError, SseScanner
 from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
 from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange, Picker
@@ -213,6 +214,8 @@ class Proxy:
         else:
             ex.error_code = "upstream_client_error"
             body, ctype = ex.dialect.errors.from_upstream(status, body), "application/json"
+        if ex.rewrite is not None and status == 200:
+            body = ex.rewrite(body)
         return web.Response(status=status, body=body, content_type=ctype, headers=ex.headers)
 
     async def _send(self, ex: Exchange, replica: Replica) -> tuple[int, bytes, str, dict[str, Any]]:
@@ -239,7 +242,7 @@ class Proxy:
         _check_status(replica, status)
         _pass_retry_after(ex, status, retry_after)
         parsed: Any = None
-        if status == 200:
+        if status == 200 and ex.dialect.answers_json:
             with contextlib.suppress(orjson.JSONDecodeError):
                 parsed = orjson.loads(body)
             if not isinstance(parsed, dict):
@@ -360,7 +363,7 @@ class Proxy:
             ex.response = await self.prepare(ex, request)
         response = ex.response
         scanner = ex.call.dialect.scanner(ex.call)
-        collector = StreamCollector(ex.cache_kind, max_chars=ex.cache_max_chars) if ex.cache_kind else None
+        collector = stream_collector(ex.cache_kind, max_chars=ex.cache_max_chars) if ex.cache_kind else None
         gaps = self.metrics.itl.new_gaps()
         clock = self.clock
         out, n = scanner.feed(first)
@@ -373,6 +376,8 @@ class Proxy:
         last = now
         if scanner.done and ex.keep is not None:
             out = await self._kept(ex, scanner, out)
+        if ex.rewrite is not None:
+            out = ex.rewrite(out)
         if out:
             await response.write(out)
         loop = asyncio.get_running_loop()
@@ -398,6 +403,8 @@ class Proxy:
                         claim.generated(n)
                     if scanner.done and ex.keep is not None:
                         out = await self._kept(ex, scanner, out)
+                    if ex.rewrite is not None:
+                        out = ex.rewrite(out)
                     if out:
                         await response.write(out)
         except TimeoutError:
@@ -423,7 +430,7 @@ class Proxy:
             ex.generated = scanner.events
             self.metrics.itl.merge((ex.call.model,), gaps)
         if collector is not None and scanner.done and ex.error_code is None:
-            ex.completion = collector.result(scanner.usage)
+            ex.completion = collector.result(scanner.usage, scanner.final)
         return response
 
     async def _kept(self, ex: Exchange, scanner: SseScanner, out: bytes) -> bytes:

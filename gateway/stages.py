@@ -42,12 +42,12 @@ from aiohttp import web
 
 from cache.coalesce import Leader
 from cache.entry import CachedCompletion
-from cache.replay import new_completion_id, replay_json, replay_sse
+from cache.replay import new_completion_id, replay_object, replay_sse
 from cache.semantic.cache import TextEmbedding
 from cache.service import CacheHit, ResponseCache
 from dialects.base import Call, Dialect
 from dialects.registry import DIALECTS
-from dialects.responses import RESPONSES_API
+from dialects.responses import RESPONSES_API, echo_previous
 from gateway.auth import KeyRing, credential
 from gateway.autoscale import PendingTokens
 from gateway.errors import (
@@ -157,7 +157,10 @@ class Stages:
         """A Responses request continues a stored conversation: its ``previous_response_id``
         expanded into the whole input, and its answer kept when asked (``gateway.responses_state``)."""
         assert ex.tenant is not None
+        previous = ex.call.body.get("previous_response_id")
         ex.call, ex.keep = await self.responses.recall(ex.call, ex.tenant)
+        if previous is not None:
+            ex.rewrite = echo_previous(previous)
         return CONTINUE
 
     async def classify(self, ex: Exchange, request: web.Request) -> Reply:
@@ -310,9 +313,8 @@ class Stages:
     async def _read_body(self, request: web.Request, dialect: Dialect) -> bytes:
         server = self.settings.server
         limit = server.max_audio_bytes if dialect.multipart else server.max_body_bytes
-        too_large = PayloadTooLarge(f"The request body is larger than the {limit}-byte limit.")
         if request.content_length is not None and request.content_length > limit:
-            raise too_large
+            raise _too_large(limit)
         try:
             if request.content.is_eof():  # all of it arrived with the headers: nothing to wait for
                 raw = await request.read()
@@ -320,11 +322,11 @@ class Stages:
                 async with asyncio.timeout(server.body_timeout_s):
                     raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            raise too_large from exc
+            raise _too_large(limit) from exc
         except TimeoutError as exc:
             raise RequestTimeout("The request body did not arrive in time.") from exc
         if len(raw) > limit:  # a chunked body, read within the application's larger bound
-            raise too_large
+            raise _too_large(limit)
         return raw
 
     async def _choose_tier(self, ex: Exchange, request: web.Request, tenant: TenantSettings) -> TierChoice | None:
@@ -378,19 +380,40 @@ class Stages:
             return self.router.tiers.names
         return allowed or ()
 
-    async def _replay(self, ex: Exchange, request: web.Request, hit: CacheHit) -> web.StreamResponse:
-        """Answer from the cache, in the shape the client asked for."""
+    async def _replay(self, ex: Exchange, request: web.Request, hit: CacheHit) -> Reply:
+        """Answer from the cache, in the shape the client asked for.
+
+        A hit the client asked to store (Responses) is kept like a live answer
+        (``Exchange.keep``), under the replay's fresh id, before the client sees any of it: a
+        ``previous_response_id`` naming that id works at once. If it cannot be kept and must
+        not go out unkept (``fail_closed``), the refusal answers instead.
+        """
         ex.headers[CACHE_HEADER] = hit.kind
-        cached = hit.completion
+        cached, call = hit.completion, ex.call
         ex.usage = cached.usage
         ex.status = 200
         ex.first_token_at = self.clock()
         completion_id, created = new_completion_id(cached.kind), int(time.time())
-        if not ex.call.stream:
-            body = replay_json(cached, completion_id=completion_id, created=created)
-            return web.Response(body=body, content_type="application/json", headers=ex.headers)
+        answer = replay_object(cached, completion_id=completion_id, created=created, request=call.body)
+        if ex.keep is not None:
+            keep, ex.keep = ex.keep, None
+            refused = await keep(answer)
+            if refused is not None:
+                if ex.response is None:
+                    return refused
+                ex.error_code = refused.code  # keep-alives went out: end the stream with the error
+                errors = call.dialect.errors
+                await ex.response.write(errors.event(refused.message, refused.code or "upstream_error", refused.type))
+                await ex.response.write_eof()
+                return ex.response
+        if not call.stream:
+            return web.Response(body=orjson.dumps(answer), content_type="application/json", headers=ex.headers)
         events = replay_sse(
-            cached, completion_id=completion_id, created=created, include_usage=ex.call.client_wants_usage
+            cached,
+            completion_id=completion_id,
+            created=created,
+            include_usage=call.client_wants_usage,
+            request=call.body,
         )
         response = ex.response or await self.proxy.prepare(ex, request)
         await response.write(events)
@@ -412,7 +435,8 @@ class Stages:
                 ex.headers[TIER_HEADER] = self.fleet.tiers[smaller]
                 ex.cache_kind = None  # not the answer the cache key names
                 return
-        limit = saturation.clamp(ex.call.max_tokens, degrade.max_tokens)
+        # Only what generates tokens has a cap to lower (an audio form has no JSON to rewrite).
+        limit = saturation.clamp(ex.call.max_tokens, degrade.max_tokens) if ex.call.dialect.generates else None
         if limit is not None:
             rm.series(rm.degraded, route.model, tenant.id, "max_tokens").inc()
             _clamp_max_tokens(ex.call, limit)
@@ -463,6 +487,10 @@ def _rejection(decision: Decision) -> GatewayError:
         err = RateLimited(decision.message, code=decision.error_code, headers=decision.headers())
         err.type = decision.error_type or err.type
     return err
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"The request body is larger than the {limit}-byte limit.")
 
 
 def _end_flight(joined: Leader | CachedCompletion) -> None:

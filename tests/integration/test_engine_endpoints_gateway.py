@@ -87,6 +87,8 @@ async def test_audio_is_routed_by_its_multipart_model_field(tmp_path: Path) -> N
         upload = form["file"]
         assert isinstance(upload, web.FileField)
         seen.append((request.content_type, {"model": form["model"], "audio": upload.file.read()}))
+        if form.get("response_format") == "text":
+            return web.Response(text="hello\n")  # plain text, not JSON: still an answer
         return web.json_response({"text": "hello", "usage": {"type": "duration", "seconds": 1}})
 
     async def health(_: web.Request) -> web.Response:
@@ -102,6 +104,10 @@ async def test_audio_is_routed_by_its_multipart_model_field(tmp_path: Path) -> N
             c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
             result = await c.audio.transcriptions.create(model=MODEL, file=("a.wav", audio, "audio/wav"))
             assert result.text == "hello"
+            text = await c.audio.transcriptions.create(
+                model=MODEL, file=("a.wav", audio, "audio/wav"), response_format="text"
+            )
+            assert text.strip() == "hello"
             with pytest.raises(openai.BadRequestError):
                 await c.audio.transcriptions.create(model="", file=("a.wav", audio, "audio/wav"))
     content_type, form = seen[0]

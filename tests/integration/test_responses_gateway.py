@@ -95,6 +95,8 @@ async def test_a_conversation_continues_on_another_pod_and_can_be_retrieved_and_
                 model=MODEL, input="And again?", previous_response_id=second.id, max_output_tokens=5
             )
             assert first.usage and second.usage and third.usage
+            # The answers name the turn they continue, as OpenAI's do (the replica saw none).
+            assert (second.previous_response_id, third.previous_response_id) == (first.id, second.id)
             # Each turn's replica read the whole conversation: the earlier inputs and outputs.
             assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
             assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
@@ -244,3 +246,14 @@ async def test_an_agent_turn_with_a_tool_call_through_the_gateway(tmp_path: Path
         gw.access_log.flush()
         lines = [line for line in access_lines(access) if line["endpoint"] == "responses"]
         assert len(lines) == 2 and all(line["status"] == 200 for line in lines)
+
+
+async def test_a_streamed_continuation_names_its_previous_response_in_every_event(tmp_path: Path) -> None:
+    async with one_gateway(tmp_path) as (url, _, _):
+        c = client(url)
+        first = await c.responses.create(model=MODEL, input="One.", max_output_tokens=2)
+        stream = await c.responses.create(
+            model=MODEL, input="Two.", previous_response_id=first.id, max_output_tokens=2, stream=True
+        )
+        named = [event.response.previous_response_id async for event in stream if hasattr(event, "response")]
+        assert len(named) >= 3 and set(named) == {first.id}  # created, in_progress, completed

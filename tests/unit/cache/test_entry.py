@@ -7,7 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from cache.entry import CachedCompletion, EntryCorrupt, StreamCollector, from_json_response
+from cache.collect import stream_collector
+from cache.entry import CachedCompletion, EntryCorrupt, from_json_response
 from dialects.stream import SseScanner
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
@@ -37,7 +38,7 @@ def collect(
 ) -> CachedCompletion | None:
     """Feed ``data`` in small chunks through the gateway's scanner, as the proxy does."""
     scanner = SseScanner(drop_usage=drop_usage)
-    collector = StreamCollector("chat", max_chars=max_chars)
+    collector = stream_collector("chat", max_chars=max_chars)
     for i in range(0, len(data), chunk):
         out, _ = scanner.feed(data[i : i + chunk])
         collector.feed(out)
@@ -121,7 +122,7 @@ def test_streams_not_worth_keeping() -> None:
 
 
 def test_keepalive_comments_are_ignored() -> None:
-    collector = StreamCollector("chat", max_chars=100)
+    collector = stream_collector("chat", max_chars=100)
     collector.feed(b": keep-alive\n\n")
     collector.feed(chat_stream(["ok"]))
     assert collector.result() == CachedCompletion("chat", "m", "ok", "stop", 5, 3)
@@ -150,7 +151,7 @@ def test_completion_stream() -> None:
         event({**head, "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": f, "stop_reason": None}]})
         for t, f in (("one", None), (" two", "length"))
     )
-    collector = StreamCollector("completion", max_chars=100)
+    collector = stream_collector("completion", max_chars=100)
     collector.feed(data + b"data: [DONE]\n\n")
     assert collector.result(USAGE) == CachedCompletion("completion", "m", "one two", "length", 5, 3)
 
@@ -182,6 +183,6 @@ def test_corrupt_bytes(raw: bytes) -> None:
 def test_malformed_deltas_give_up_quietly(delta: dict[str, Any]) -> None:
     data = chat_chunk({"role": "assistant", "content": ""}) + chat_chunk(delta, "stop") + b"data: [DONE]\n\n"
     assert collect(data) is None
-    collector = StreamCollector("chat", max_chars=100)
+    collector = stream_collector("chat", max_chars=100)
     collector.feed(event({**HEAD, "choices": [{"index": 0, "delta": "oops"}]}))
     assert collector.failed

@@ -173,3 +173,62 @@ def test_plan_request() -> None:
     assert neither.key is None and not neither.lookup and not neither.store
     sampled = plan_request("t1", "m", CHAT, chat(temperature=1), DEFAULTS, None)
     assert sampled.key is None and sampled.reason is Cacheability.NONDETERMINISTIC
+
+
+# -- Responses and Messages --------------------------------------------------------------------
+
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+
+
+def responses(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "input": [{"role": "user", "content": "hi"}], "temperature": 0, **fields}
+
+
+def messages(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, **fields}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "expected"),
+    [
+        (RESPONSES, responses(), Cacheability.CACHEABLE),
+        (RESPONSES, responses(temperature=None, top_k=1), Cacheability.CACHEABLE),
+        (RESPONSES, responses(temperature=0.7, seed=3), Cacheability.CACHEABLE),
+        (RESPONSES, responses(temperature=None), Cacheability.NONDETERMINISTIC),
+        (RESPONSES, responses(top_logprobs=2), Cacheability.LOGPROBS),
+        (RESPONSES, responses(include=["message.output_text.logprobs"]), Cacheability.LOGPROBS),
+        (RESPONSES, responses(include=["reasoning.encrypted_content"]), Cacheability.CACHEABLE),
+        (MESSAGES, messages(), Cacheability.CACHEABLE),
+        (MESSAGES, messages(temperature=None, top_k=1), Cacheability.CACHEABLE),
+        (MESSAGES, messages(temperature=None), Cacheability.NONDETERMINISTIC),
+        (MESSAGES, messages(temperature=0.5, seed=3), Cacheability.NONDETERMINISTIC),  # Anthropic's API has no seed
+        ("/v1/messages/count_tokens", messages(), Cacheability.ENDPOINT),
+    ],
+)
+def test_responses_and_messages_cacheability(endpoint: str, body: dict[str, Any], expected: Cacheability) -> None:
+    assert cacheability(endpoint, body, DEFAULTS) is expected
+
+
+def test_responses_delivery_state_and_labels_are_not_in_the_key() -> None:
+    base = key(responses(), endpoint=RESPONSES)
+    labelled = responses(stream=True, store=False, metadata={"a": "b"}, user="u", previous_response_id="resp_1")
+    assert key(labelled, endpoint=RESPONSES) == base
+    # The gateway expands previous_response_id into input: a different input is a different key.
+    longer = responses(input=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    assert key(longer, endpoint=RESPONSES) != base
+    assert key(responses(instructions="Be brief."), endpoint=RESPONSES) != base
+    assert key(messages(stream=True, metadata={"user_id": "u"}), endpoint=MESSAGES) == key(
+        messages(), endpoint=MESSAGES
+    )
+    assert key(messages(stop_sequences=["END"]), endpoint=MESSAGES) != key(messages(), endpoint=MESSAGES)
+    # Only the Responses kind leaves previous_response_id out: chat's key material is unchanged.
+    assert key(chat(previous_response_id="resp_1")) != key(chat())
+    assert canonical_body(responses(previous_response_id="x")) == canonical_body(responses()) | {
+        "previous_response_id": "x"
+    }
+
+
+def test_the_same_body_on_each_endpoint_has_its_own_key() -> None:
+    body = messages()
+    assert len({key(body, endpoint=e) for e in (CHAT, RESPONSES, MESSAGES)}) == 3

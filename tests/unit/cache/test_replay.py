@@ -17,7 +17,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from cache.entry import CachedCompletion, StreamCollector
+from cache.collect import stream_collector
+from cache.entry import CachedCompletion
 from cache.replay import DONE, MAX_CHUNKS, new_completion_id, replay_events, replay_json, replay_sse, split_text
 from dialects.stream import SseScanner
 from replicas.launcher import free_port
@@ -103,7 +104,7 @@ def test_tool_calls_and_empty_answers() -> None:
     message = orjson.loads(replay_json(entry, completion_id="c", created=1))["choices"][0]["message"]
     assert message["content"] is None and message["tool_calls"] == [call]
     data = replay_sse(entry, completion_id="c", created=1, include_usage=False)
-    collector = StreamCollector("chat", max_chars=1000)
+    collector = stream_collector("chat", max_chars=1000)
     collector.feed(data)
     assert collector.result(entry.usage) == entry  # replay and collection are inverses
     empty = CachedCompletion("chat", MODEL, "", "stop", 3, 0)
@@ -156,7 +157,7 @@ def replay_app(entries: dict[str, CachedCompletion]) -> web.Application:
 async def collect_live(base: str, path: str, kind: str, body: dict[str, Any]) -> CachedCompletion:
     """What the gateway's proxy would collect from a live stream (usage dropped for the client)."""
     scanner = SseScanner(drop_usage=True)
-    collector = StreamCollector("chat" if kind == "chat" else "completion", max_chars=100_000)
+    collector = stream_collector("chat" if kind == "chat" else "completion", max_chars=100_000)
     upstream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     async with aiohttp.ClientSession() as session, session.post(base + path, json=upstream) as resp:
         async for chunk in resp.content.iter_any():
