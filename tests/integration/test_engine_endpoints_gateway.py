@@ -100,7 +100,7 @@ async def test_audio_is_routed_by_its_multipart_model_field(tmp_path: Path) -> N
     audio = b"RIFF" + bytes(range(256)) * 64
     async with serve_app(app) as upstream:
         models = [{"name": MODEL, "replicas": [{"url": upstream, "upstream_model": "whisper-tiny"}]}]
-        async with in_process_gateway({"models": models}, tmp_path) as (url, _, access):
+        async with in_process_gateway({"models": models}, tmp_path) as (url, _, _):
             c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
             result = await c.audio.transcriptions.create(model=MODEL, file=("a.wav", audio, "audio/wav"))
             assert result.text == "hello"

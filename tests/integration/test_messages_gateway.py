@@ -133,10 +133,13 @@ async def test_errors_come_in_anthropics_shape_and_classes(tmp_path: Path) -> No
         with pytest.raises(anthropic.BadRequestError) as bad:
             await client(url).messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "x"}])
         assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
-    async with sim_upstream(MODEL) as sim, in_process_gateway(config(sim, tenants=people), tmp_path / "l") as (
-        url,
-        _,
-        _,
+    async with (
+        sim_upstream(MODEL) as sim,
+        in_process_gateway(config(sim, tenants=people), tmp_path / "l") as (
+            url,
+            _,
+            _,
+        ),
     ):
         c = client(url)
         await c.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}])
@@ -190,7 +193,7 @@ async def test_a_broken_stream_ends_with_anthropics_error_event(tmp_path: Path) 
     app = web.Application()
     app.router.add_post("/v1/messages", messages)
     app.router.add_get("/health", health)
-    async with serve_app(app) as upstream, in_process_gateway(config(upstream), tmp_path) as (url, _, access):
+    async with serve_app(app) as upstream, in_process_gateway(config(upstream), tmp_path) as (url, _, _):
         c = client(url)
         with pytest.raises(anthropic.APIStatusError) as broken:
             async with c.messages.stream(
