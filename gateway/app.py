@@ -203,7 +203,7 @@ class Gateway:
     # -- the request path ---------------------------------------------------------------
 
     async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
-        """Run the request through ``self.stages.path`` until a stage replies, then account."""
+        """Run the request through its API's path (``self.stages.paths``) until a stage replies, then account."""
         started = self.clock()
         rh = request.headers
         spans = self.spans
