@@ -21,14 +21,10 @@ Redis costs a request nothing; after the cool-down one trial call tests it again
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
-
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cache.config import CacheServiceSettings
 from cache.keys import split_key
@@ -36,6 +32,7 @@ from cache.store import CacheUnavailable
 from common.breaker import BreakerConfig, CircuitBreaker
 from redisconn.config import RedisSecurity
 from redisconn.factory import ClientOptions, RedisClient, connect
+from redisconn.guard import Guard
 
 log = logging.getLogger("fleetgate.cache")
 
@@ -93,14 +90,19 @@ class RedisStore:
         max_in_flight: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self._client = client
-        # One connection per call in flight: a pool of max_connections never runs dry (a
-        # cluster or sentinel pool would raise instead of waiting; redisconn.factory).
-        self._in_flight = asyncio.Semaphore(max_in_flight)
         self._lookup_timeout_s = lookup_timeout_s
         self._store_timeout_s = store_timeout_s
         self.breaker = breaker or CircuitBreaker()
+        self._guard = Guard(
+            breaker=self.breaker,
+            clock=clock,
+            max_in_flight=max_in_flight,
+            unavailable=lambda message, reason: CacheUnavailable(message, reason=reason),
+            log=log,
+            down_message="cache store unreachable; requests go on uncached",
+            up_message="cache store reachable again",
+        )
         self._prefix = prefix
-        self._clock = clock
         self._owns_client = owns_client
         self._get = client.register_script(GET_SCRIPT)
         self._set = client.register_script(SET_SCRIPT)
@@ -183,25 +185,7 @@ class RedisStore:
         """Run ``call`` within ``timeout_s`` behind the breaker; failures raise ``CacheUnavailable``."""
         if self._closed:
             raise RuntimeError("RedisStore is closed")
-        if not self.breaker.allow(self._clock()):
-            raise CacheUnavailable("redis: circuit open", reason="circuit_open")
-        trial = self.breaker.trial  # this call's number if it is the half-open trial
-        try:
-            async with asyncio.timeout(timeout_s), self._in_flight:
-                result = await call()
-        except (RedisError, OSError, TimeoutError) as exc:
-            if self.breaker.record_failure(self._clock()):
-                log.warning("cache store unreachable; requests go on uncached", extra={"error": repr(exc)})
-            reason = "timeout" if isinstance(exc, TimeoutError | RedisTimeoutError) else "error"
-            raise CacheUnavailable(f"redis: {type(exc).__name__}: {exc}", reason=reason) from exc
-        except asyncio.CancelledError:
-            # Our caller gave up; say nothing about Redis, but free the half-open trial slot.
-            if trial is not None:
-                self.breaker.abandon_trial(trial)
-            raise
-        if self.breaker.record_success():
-            log.info("cache store reachable again")
-        return result
+        return await self._guard.run(call, timeout_s)
 
     async def close(self) -> None:
         if self._closed:

@@ -32,21 +32,18 @@ the cool-down one trial call tests it again (``common.breaker``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from common.breaker import BreakerConfig, CircuitBreaker
 from conversations.config import ResponsesSettings
 from conversations.store import StoreUnavailableError, check_put
 from redisconn.config import RedisSecurity
 from redisconn.factory import ClientOptions, RedisClient, connect
+from redisconn.guard import Guard
 
 log = logging.getLogger("fleetgate.conversations")
 
@@ -169,14 +166,18 @@ class RedisResponseStore:
         max_in_flight: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self._client = client
-        # One connection per call in flight: a pool of max_connections never runs dry (a
-        # cluster or sentinel pool would raise instead of waiting; redisconn.factory).
-        self._in_flight = asyncio.Semaphore(max_in_flight)
         self._timeout_s = timeout_s
         self.breaker = breaker or CircuitBreaker()
+        self._guard = Guard(
+            breaker=self.breaker,
+            clock=clock,
+            max_in_flight=max_in_flight,
+            unavailable=lambda message, reason: StoreUnavailableError(message, reason=reason),
+            log=log,
+            down_message="response store unreachable; stored responses are unavailable",
+            up_message="response store reachable again",
+        )
         self._prefix = prefix
-        # The breaker's clock only; record expiry runs on Redis's.
-        self._clock = clock
         self._owns_client = owns_client
         self._put = client.register_script(PUT_SCRIPT)
         self._delete = client.register_script(DELETE_SCRIPT)
@@ -250,25 +251,7 @@ class RedisResponseStore:
         """Run ``call`` within the deadline behind the breaker; failures raise ``StoreUnavailableError``."""
         if self._closed:
             raise RuntimeError("RedisResponseStore is closed")
-        if not self.breaker.allow(self._clock()):
-            raise StoreUnavailableError("redis: circuit open", reason="circuit_open")
-        trial = self.breaker.trial  # this call's number if it is the half-open trial
-        try:
-            async with asyncio.timeout(self._timeout_s), self._in_flight:
-                result = await call()
-        except (RedisError, OSError, TimeoutError) as exc:
-            if self.breaker.record_failure(self._clock()):
-                log.warning("response store unreachable; stored responses are unavailable", extra={"error": repr(exc)})
-            reason = "timeout" if isinstance(exc, TimeoutError | RedisTimeoutError) else "error"
-            raise StoreUnavailableError(f"redis: {type(exc).__name__}: {exc}", reason=reason) from exc
-        except asyncio.CancelledError:
-            # Our caller gave up; say nothing about Redis, but free the half-open trial slot.
-            if trial is not None:
-                self.breaker.abandon_trial(trial)
-            raise
-        if self.breaker.record_success():
-            log.info("response store reachable again")
-        return result
+        return await self._guard.run(call, self._timeout_s)
 
     async def close(self) -> None:
         if self._closed:
