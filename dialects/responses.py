@@ -42,6 +42,8 @@ from dialects.stream import SseScanner, TypedEventScanner
 
 # The events that end a stream, with the answer in their ``response``.
 _ENDS = frozenset({b"response.completed", b"response.incomplete", b"response.failed"})
+# The first event: the response's id, which the client may cancel it by.
+_CREATED = b"response.created"
 
 
 class Responses(Dialect):
@@ -149,11 +151,15 @@ class ResponsesScanner(TypedEventScanner):
         }
     )
     ENDS = _ENDS | {b"error"}
-    READ = _ENDS
+    READ = _ENDS | {_CREATED}
 
     def _read(self, kind: bytes, data: dict[str, Any]) -> None:
         response = data.get("response")
-        if isinstance(response, dict):
+        if not isinstance(response, dict):
+            return
+        if kind == _CREATED:
+            self.started = response
+        else:
             self.final = response
             self.usage = responses_usage(response.get("usage"))
 

@@ -48,7 +48,7 @@ class SseScanner:
     (what one block of whole events holds) and ``finish`` for other APIs' streams.
     """
 
-    __slots__ = ("_after_cr", "_carry", "_drop_usage", "_last", "done", "events", "final", "usage")
+    __slots__ = ("_after_cr", "_carry", "_drop_usage", "_last", "done", "events", "final", "started", "usage")
 
     def __init__(self, *, drop_usage: bool) -> None:
         self._drop_usage = drop_usage
@@ -62,8 +62,10 @@ class SseScanner:
         self.done = False
         # The usage, as ``prompt_tokens``/``completion_tokens``/``total_tokens``.
         self.usage: dict[str, Any] | None = None
-        # The whole answer a stream's last event carries, where its API sends one.
+        # The whole answer a stream's last event carries, and the answer as its first event
+        # announces it (its id), where its API sends them.
         self.final: dict[str, Any] | None = None
+        self.started: dict[str, Any] | None = None
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
         """Complete events from ``chunk`` (plus what was held back), and how many carry tokens.

@@ -124,6 +124,10 @@ class Exchange:
     answer: dict[str, Any] | None = None
     # Keeps a stored Responses answer before the client sees its end (``gateway.responses_state``).
     keep: Keeper | None = None
+    # Makes a Responses stream cancellable once its id is known (its first event), returning
+    # what undoes that (``untrack``, run when the stream ends).
+    on_start: Callable[[dict[str, Any], Callable[[], None]], Callable[[], None]] | None = None
+    untrack: Callable[[], None] | None = None
     # Restores in the replica's answer what the gateway took out of the request (a Responses
     # answer's ``previous_response_id``), applied to whole events or the whole body.
     rewrite: Callable[[bytes], bytes] | None = None

@@ -52,6 +52,7 @@ from replicas.replica import Claim, Replica
 from routing.router import EXHAUSTED, NO_REPLICA
 
 KEEPALIVE = b": keep-alive\n\n"
+CANCELLED = "The response was cancelled (POST /v1/responses/{id}/cancel)."
 
 log = logging.getLogger("fleetgate.proxy")
 
@@ -374,12 +375,7 @@ class Proxy:
         claim.prefilled()
         claim.generated(n)
         last = now
-        if scanner.done and ex.keep is not None:
-            out = await self._kept(ex, scanner, out)
-        if ex.rewrite is not None:
-            out = ex.rewrite(out)
-        if out:
-            await response.write(out)
+        await self._write(ex, scanner, upstream, response, out)
         loop = asyncio.get_running_loop()
         gap = self.settings.chunk_gap_timeout_s
         # The client's own deadline bounds the whole stream, not only its first token.
@@ -401,12 +397,7 @@ class Proxy:
                         gaps.add((now - last) / n, n)
                         last = now
                         claim.generated(n)
-                    if scanner.done and ex.keep is not None:
-                        out = await self._kept(ex, scanner, out)
-                    if ex.rewrite is not None:
-                        out = ex.rewrite(out)
-                    if out:
-                        await response.write(out)
+                    await self._write(ex, scanner, upstream, response, out)
         except TimeoutError:
             if deadline.cut:
                 ex.stop, ex.error_code = "deadline", "deadline_exceeded"
@@ -415,7 +406,11 @@ class Proxy:
             else:
                 await self._broken(ex, response, f"The replica sent nothing for {gap:g} s; the stream was cut.")
         except UpstreamError:
-            await self._broken(ex, response, "The replica's connection broke mid-stream.")
+            if ex.stop == "cancelled":  # the client's own cancel: no fault of the replica's
+                ex.error_code = "response_cancelled"
+                await _end_with_error(ex, response, GatewayError(CANCELLED, code="response_cancelled"))
+            else:
+                await self._broken(ex, response, "The replica's connection broke mid-stream.")
         except SseError as exc:
             await self._broken(ex, response, f"The replica's stream was cut: {exc}.")
         else:
@@ -424,6 +419,8 @@ class Proxy:
             if not scanner.done:
                 await self._broken(ex, response, "The replica ended the stream early.")
         finally:
+            if ex.untrack is not None:
+                ex.untrack()
             ex.upstream_ended = clock()
             ex.usage = scanner.usage
             ex.answer = scanner.final
@@ -432,6 +429,23 @@ class Proxy:
         if collector is not None and scanner.done and ex.error_code is None:
             ex.completion = collector.result(scanner.usage, scanner.final)
         return response
+
+    async def _write(
+        self, ex: Exchange, scanner: SseScanner, upstream: UpstreamResponse, response: web.StreamResponse, out: bytes
+    ) -> None:
+        """Send whole events on to the client, once what the request asked of them is done: a
+        Responses stream's id made cancellable (``Exchange.on_start``), its answer kept before
+        its end goes out (``Exchange.keep``), what the gateway took out of the request put
+        back (``Exchange.rewrite``)."""
+        if ex.on_start is not None and scanner.started is not None:
+            start, ex.on_start = ex.on_start, None
+            ex.untrack = start(scanner.started, lambda: _cancel(ex, upstream))
+        if scanner.done and ex.keep is not None:
+            out = await self._kept(ex, scanner, out)
+        if ex.rewrite is not None:
+            out = ex.rewrite(out)
+        if out:
+            await response.write(out)
 
     async def _kept(self, ex: Exchange, scanner: SseScanner, out: bytes) -> bytes:
         """The stream's last events, once its answer is kept (``Exchange.keep``): the next
@@ -451,6 +465,14 @@ class Proxy:
         self.metrics.stream_errors.labels(ex.call.model).inc()
         ex.error_code = "upstream_stream_error"
         await _end_with_error(ex, response, BadGateway(message, code="upstream_stream_error"))
+
+
+def _cancel(ex: Exchange, upstream: UpstreamResponse) -> None:
+    """Stop a stream its client cancelled (``POST /v1/responses/{id}/cancel``): the replica's
+    connection closes (vLLM aborts the generation) and the relay ends the stream."""
+    ex.stop = "cancelled"
+    upstream.fail(UpstreamError("the response was cancelled"))
+    upstream.close()
 
 
 def _check_status(replica: Replica, status: int) -> None:

@@ -53,6 +53,9 @@ class ResponseState:
         self.store = store
         self.settings = settings
         self.metrics = metrics
+        # Streams under way in this process, by (tenant, response id): the response as its
+        # first event announced it, and what stops it.
+        self._running: dict[tuple[str, str], tuple[dict[str, Any], Callable[[], None]]] = {}
 
     async def __aenter__(self) -> ResponseState:
         await self.store.__aenter__()
@@ -115,6 +118,24 @@ class ResponseState:
         self._count("put", "ok")
         return None
 
+    def track(self, tenant_id: str) -> Callable[[dict[str, Any], Callable[[], None]], Callable[[], None]]:
+        """What makes a stream of ``tenant_id``'s cancellable once its id is known; it returns
+        what forgets it again (``Exchange.on_start``)."""
+
+        def start(response: dict[str, Any], stop: Callable[[], None]) -> Callable[[], None]:
+            response_id = response.get("id")
+            if not isinstance(response_id, str):
+                return _nothing
+            key = (tenant_id, response_id)
+            self._running[key] = (response, stop)
+
+            def forget() -> None:
+                self._running.pop(key, None)
+
+            return forget
+
+        return start
+
     # -- the retrieval endpoints ------------------------------------------------------------
 
     async def retrieve(self, tenant: TenantSettings, response_id: str) -> web.Response:
@@ -151,12 +172,18 @@ class ResponseState:
         return web.json_response({"id": response_id, "object": "response", "deleted": True}, dumps=_dumps)
 
     async def cancel(self, tenant: TenantSettings, response_id: str) -> web.Response:
-        """``POST /v1/responses/{id}/cancel``: OpenAI cancels background responses only, and
-        this gateway runs none in the background; a stored one is finished already."""
+        """``POST /v1/responses/{id}/cancel``: a stream under way in this process stops (its
+        client's stream ends with a ``response_cancelled`` error event) and the response is
+        answered with status ``cancelled``; a finished one cannot be cancelled (400), an
+        unknown one, or another tenant's, is a 404."""
+        running = self._running.get((tenant.id, response_id))
+        if running is not None:
+            response, stop = running
+            stop()
+            return web.json_response({**response, "status": "cancelled"}, dumps=_dumps)
         await self._read(tenant.id, response_id)
         raise BadRequest(
-            "Only background responses can be cancelled, and this gateway runs no response in the "
-            "background: this one has finished. A client cancels an answer in progress by closing its stream.",
+            "This response has finished: only a response still being generated can be cancelled.",
             code="response_not_cancellable",
         )
 
@@ -176,6 +203,10 @@ class ResponseState:
 
     def _count(self, op: str, outcome: str) -> None:
         self.metrics.responses_store.labels(op, outcome).inc()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _output_items(response: Any) -> list[Any]:

@@ -161,6 +161,8 @@ class Stages:
         ex.call, ex.keep = await self.responses.recall(ex.call, ex.tenant)
         if previous is not None:
             ex.rewrite = echo_previous(previous)
+        if ex.call.stream:
+            ex.on_start = self.responses.track(ex.tenant.id)
         return CONTINUE
 
     async def classify(self, ex: Exchange, request: web.Request) -> Reply:

@@ -257,3 +257,34 @@ async def test_a_streamed_continuation_names_its_previous_response_in_every_even
         )
         named = [event.response.previous_response_id async for event in stream if hasattr(event, "response")]
         assert len(named) >= 3 and set(named) == {first.id}  # created, in_progress, completed
+
+
+async def test_a_stream_under_way_can_be_cancelled_by_its_id(tmp_path: Path) -> None:
+    """``POST /v1/responses/{id}/cancel`` stops a stream in progress (the replica's
+    connection closes) and answers the response as cancelled; its client's stream ends with
+    an error event; a finished response cannot be cancelled; another tenant's is a 404."""
+    async with (
+        sim_upstream(MODEL, tokens_per_s=20) as sim,
+        in_process_gateway(config(sim), tmp_path) as (url, gw, access),
+    ):
+        c = client(url)
+        stream = await c.responses.create(model=MODEL, input="a long answer", max_output_tokens=500, stream=True)
+        events = stream.__aiter__()
+        created = await events.__anext__()
+        assert created.type == "response.created"
+        response_id = created.response.id
+        with pytest.raises(openai.NotFoundError):
+            await client(url, OTHER_KEY).responses.cancel(response_id)
+        cancelled = await c.responses.cancel(response_id)
+        assert (cancelled.id, cancelled.status) == (response_id, "cancelled")
+        with pytest.raises(openai.APIError) as ended:
+            async for _ in events:
+                pass
+        assert "cancelled" in str(ended.value)
+        gw.access_log.flush()
+        line = access_lines(access)[-1]
+        assert line["error"] == "response_cancelled"
+        assert gw.metrics.stream_errors.labels(MODEL)._value.get() == 0  # not the replica's fault
+        finished = await c.responses.create(model=MODEL, input="short", max_output_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            await c.responses.cancel(finished.id)
