@@ -6,9 +6,9 @@ Example::
     routing:
       policy: prefix_affinity        # least_outstanding_tokens | least_requests | round_robin
       tiers:                         # score ranges of the complexity classifier, [0, 1] covered
-        - {name: small, min_score: 0.0, max_score: 0.3}
-        - {name: medium, min_score: 0.3, max_score: 0.55}
-        - {name: large, min_score: 0.55, max_score: 1.0}
+        - {name: small, min_score: 0.0, max_score: 0.45}
+        - {name: medium, min_score: 0.45, max_score: 0.5}
+        - {name: large, min_score: 0.5, max_score: 1.0}
       classifier: {embedding: auto}  # always | never: when the embedding head scores auto requests
       affinity: {factor: 1.25, margin_requests: 4, anchor_blocks: 4}
       capacity: {max_requests: 256, max_prefill_tokens: 4096}  # per replica, unless models[].capacity says otherwise

@@ -16,10 +16,10 @@ What it does, in order (the labels are ``bench.classifier_data``'s, reasoned in 
    scikit-learn's ``LogisticRegression``, which only training needs.
 3. Calibration: out-of-fold logits (``CALIBRATION_PROTOCOL``: each easy source scored by a
    model that never saw it, see ``folds``) set the default tier boundaries: the logit below
-   which ``EASY_QUANTILE`` of the easy prompts fall maps to 0.3 (small/medium) and the logit
-   above which ``1 - HARD_QUANTILE`` of the hard prompts fall maps to 0.55 (medium/large),
-   through ``score = sigmoid(scale * logit + shift)``. The final model is then trained on
-   every labelled prompt.
+   which ``EASY_QUANTILE`` of the easy prompts fall maps to the small/medium boundary of
+   ``DEFAULT_TIERS`` and the logit above which ``1 - HARD_QUANTILE`` of the hard prompts fall
+   to the medium/large one, through ``score = sigmoid(scale * logit + shift)``. The final
+   model is then trained on every labelled prompt.
 
 With ``--embedding`` it (also) writes the embedding head, ``routing/data/classifier-embedding.json``
 (``routing.embedding_head``; needs the ``semantic`` extra):
@@ -34,7 +34,8 @@ With ``--embedding`` it (also) writes the embedding head, ``routing/data/classif
    plus ``HEAD_NGRAM_WEIGHT`` times the n-gram model's logit; the extras are kept only where
    they raised the held-out AUC (bench/results/classifier.md).
 6. Calibration: as in 3, from the ``HEAD_CALIBRATION_PROTOCOL`` out-of-fold logits with
-   ``HEAD_EASY_QUANTILE`` / ``HEAD_HARD_QUANTILE``, so the same default tiers hold.
+   ``HEAD_EASY_QUANTILE`` of the easy prompts and ``HEAD_HARD_QUANTILE`` of real users'
+   short hard asks (``short_real_user_ask``), so the same default tiers hold.
 
 The recipe (the vocabulary, folds, weights, calibration and the head's fit) is
 ``bench.classifier_training``'s, where ``bench/classifier.py`` takes it to report the
@@ -65,6 +66,7 @@ from bench.classifier_training import (
     MAX_FEATURES,
     MIN_DF,
     MIN_GROUPS,
+    SHORT_ASK_CHARS,
     C,
     PromptVectors,
     calibration,
@@ -72,6 +74,7 @@ from bench.classifier_training import (
     head_out_of_fold,
     labelled,
     out_of_fold,
+    short_real_user_ask,
     train_final,
     train_final_head,
 )
@@ -81,19 +84,28 @@ from routing.embedding_head import DEFAULT_HEAD, HEAD_FORMAT
 OUT = Path(__file__).resolve().parent.parent / "routing" / "data" / "classifier.json"
 # The embedding head (``--embedding``).
 HEAD_OUT = OUT.with_name(DEFAULT_HEAD)
+# What the heads' files say their large boundary was placed on.
+HARD_ON = f"short_real_user_ask: arena-hard hard asks under {SHORT_ASK_CHARS} characters, Latin alphabet"
 
 
 def train_head(prompts: Sequence[Prompt], feats: Sequence[set[str]], vectors: PromptVectors) -> dict[str, Any]:
     """The head file's content: trained on every labelled prompt, calibrated out of fold."""
     ngram = out_of_fold(prompts, feats, HEAD_CALIBRATION_PROTOCOL) if HEAD_NGRAM_WEIGHT else np.zeros(len(prompts))
     logits = head_out_of_fold(prompts, vectors, ngram, HEAD_CALIBRATION_PROTOCOL)
-    scale, shift, t_small, t_large = calibration(logits, prompts, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE)
+    scale, shift, t_small, t_large = calibration(
+        logits, prompts, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE, short_real_user_ask
+    )
     idx = [i for i, p in enumerate(prompts) if p.trained]
     final = train_final_head(prompts, vectors)
     info: dict[str, Any] = {
         "trained_on": dict(sorted(Counter(f"{prompts[i].group}:{prompts[i].label}" for i in idx).items())),
         "boundary_logits": {"small_top": round(t_small, 4), "large_bottom": round(t_large, 4)},
-        "quantiles": {"easy": HEAD_EASY_QUANTILE, "hard": HEAD_HARD_QUANTILE, "folds": HEAD_CALIBRATION_PROTOCOL},
+        "quantiles": {
+            "easy": HEAD_EASY_QUANTILE,
+            "hard": HEAD_HARD_QUANTILE,
+            "hard_on": HARD_ON,
+            "folds": HEAD_CALIBRATION_PROTOCOL,
+        },
         "C": HEAD_C,
     }
     return {

@@ -1,6 +1,8 @@
 """Train the classifier's static head and write routing/data/classifier-static.json.
 
     .venv/bin/python -m scripts.train_static_head   # needs ../shared/data, scikit-learn and the semantic extra
+    .venv/bin/python -m scripts.train_static_head --table-from routing/data/classifier-static.json
+        # the shipped table and vocabulary, not distilled again (only scikit-learn needed)
 
 What it does (the labels, folds, weights and calibration are ``bench.classifier_training``'s,
 the regression ``bench.static_head_training``'s):
@@ -14,7 +16,8 @@ the regression ``bench.static_head_training``'s):
    frequency of its words (``routing.word_frequency``).
 3. Head: the weighted logistic regression of ``fit_head`` at ``C``.
 4. Calibration: the embedding head's (``HEAD_CALIBRATION_PROTOCOL`` folds,
-   ``HEAD_EASY_QUANTILE`` / ``HEAD_HARD_QUANTILE``), so the same default tiers hold.
+   ``HEAD_EASY_QUANTILE`` of the easy prompts, ``HEAD_HARD_QUANTILE`` of real users' short
+   hard asks), so the same default tiers hold.
 
 The recipe (float16 table of 32 dimensions, unit sum, C = 0.1) was picked among 25 variants
 (11 tables and inputs, C from 0.1 to 3) on the `sources` folds and the both-sides-held-out pairs of
@@ -33,10 +36,16 @@ from typing import Any
 import numpy as np
 
 from bench.classifier_data import Prompt, load
-from bench.classifier_training import HEAD_CALIBRATION_PROTOCOL, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE, calibration
+from bench.classifier_training import (
+    HEAD_CALIBRATION_PROTOCOL,
+    HEAD_EASY_QUANTILE,
+    HEAD_HARD_QUANTILE,
+    calibration,
+    short_real_user_ask,
+)
 from bench.static_head_training import C, StaticInputs, fit, out_of_fold
-from routing.static_head import DEFAULT_STATIC, FORMAT, StaticHead, encode_table
-from scripts.train_classifier import OUT
+from routing.static_head import DEFAULT_STATIC, FORMAT, StaticHead, encode_table, load_static_head
+from scripts.train_classifier import HARD_ON, OUT
 
 STATIC_OUT = OUT.with_name(DEFAULT_STATIC)
 DIMENSIONS = 32
@@ -79,7 +88,9 @@ def train(prompts: Sequence[Prompt], tokens: list[str], table: np.ndarray, sourc
     """The static head file's content: trained on every labelled prompt, calibrated out of fold."""
     inputs = StaticInputs.of(untrained(tokens, table), prompts)
     logits = out_of_fold(inputs, prompts, HEAD_CALIBRATION_PROTOCOL)
-    scale, shift, t_small, t_large = calibration(logits, prompts, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE)
+    scale, shift, t_small, t_large = calibration(
+        logits, prompts, HEAD_EASY_QUANTILE, HEAD_HARD_QUANTILE, short_real_user_ask
+    )
     idx = [i for i, p in enumerate(prompts) if p.trained]
     coef, bias = fit(inputs, prompts, idx)
     return {
@@ -94,7 +105,12 @@ def train(prompts: Sequence[Prompt], tokens: list[str], table: np.ndarray, sourc
         "info": {
             "trained_on": dict(sorted(Counter(f"{prompts[i].group}:{prompts[i].label}" for i in idx).items())),
             "boundary_logits": {"small_top": round(t_small, 4), "large_bottom": round(t_large, 4)},
-            "quantiles": {"easy": HEAD_EASY_QUANTILE, "hard": HEAD_HARD_QUANTILE, "folds": HEAD_CALIBRATION_PROTOCOL},
+            "quantiles": {
+                "easy": HEAD_EASY_QUANTILE,
+                "hard": HEAD_HARD_QUANTILE,
+                "hard_on": HARD_ON,
+                "folds": HEAD_CALIBRATION_PROTOCOL,
+            },
             "C": C,
             "dimensions": DIMENSIONS,
         },
@@ -108,9 +124,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=STATIC_OUT)
     parser.add_argument("--model-dir", type=Path, default=None, help="the model to distil (default: the stock one)")
+    parser.add_argument(
+        "--table-from",
+        type=Path,
+        default=None,
+        help="take the table and vocabulary of this head file instead of distilling them: the same head "
+        "retrained and recalibrated (a distillation on another machine may differ in the last bit)",
+    )
     args = parser.parse_args()
     prompts = load()
-    tokens, table, source = distil(args.model_dir)
+    if args.table_from is not None:
+        given = load_static_head(args.table_from)
+        tokens, table, source = given.tokens, given.table, given.source
+    else:
+        tokens, table, source = distil(args.model_dir)
     head = train(prompts, tokens, table, source)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(head, ensure_ascii=False, separators=(",", ":")) + "\n")

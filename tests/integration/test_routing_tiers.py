@@ -77,11 +77,17 @@ async def test_auto_goes_to_the_tier_of_its_score(tmp_path: Path) -> None:
 
 
 async def test_medium_without_a_model_uses_the_nearest_tier(tmp_path: Path) -> None:
-    # A medium-scored prompt (a coding ask, briefly put); medium has no model, large is nearest (tie -> larger).
+    # A coding ask, briefly put, in a wide medium band; medium has no model, small and large
+    # are as near (tie -> larger). The band is the test's own: the default medium is thin.
     text = "Using numpy only, implement k-means, vectorised, and return the labels and the centroids."
     medium = [{"role": "user", "content": text}]
+    tiers = [
+        {"name": "small", "min_score": 0.0, "max_score": 0.2},
+        {"name": "medium", "min_score": 0.2, "max_score": 0.8},
+        {"name": "large", "min_score": 0.8, "max_score": 1.0},
+    ]
     async with sim_upstream("small-m") as small, sim_upstream("large-m") as large:
-        async with in_process_gateway(tiered(small, large), tmp_path) as (url, _, _):
+        async with in_process_gateway(tiered(small, large, routing={"tiers": tiers}), tmp_path) as (url, _, _):
             reply = await chat(url, medium)
             assert "tier=medium" in reply.headers["x-fleetgate-route"]
             assert reply.json()["model"] == "large-m"

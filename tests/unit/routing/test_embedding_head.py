@@ -59,7 +59,7 @@ def test_the_head_scores_the_vector_and_says_so() -> None:
     # 2 * 0.6 - 1 * 0.8 - 0.5 = -0.1
     assert c.head == EMBEDDING
     assert c.score == round(sigmoid(-0.1), 3)
-    assert c.tier == "medium"  # 0.475 in [0.3, 0.55)
+    assert c.tier == "medium"  # 0.475 in [0.45, 0.5)
     assert c.reasons == ()  # no n-gram part: no word features to show
     assert c.header() == f"score={c.score:.2f}; embedding(emb-0.10); none"
 
