@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config.example.yaml
 SOURCES := gateway routing cache limits replicas sim redisconn common capacity dialects conversations bench tests scripts
 
-.PHONY: run test test-unit test-integration test-e2e vllm-env lint typecheck bench-overhead clean
+.PHONY: run test test-unit test-integration test-e2e test-stress vllm-env lint typecheck bench-overhead clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ vllm-env:
 
 test-e2e: $(STAMP) vllm-env
 	$(BIN)/pytest -q tests/e2e
+
+# The e2e tests five times, each beside one busy process per core (another job's load).
+test-stress: $(STAMP) vllm-env
+	$(BIN)/python scripts/stress.py --runs 5 -- $(BIN)/pytest -q tests/e2e
 
 test-unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
