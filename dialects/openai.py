@@ -9,7 +9,9 @@ import orjson
 from dialects.base import (
     CHARS_PER_TOKEN,
     JSON,
+    ROLE_END,
     TOKENS_PER_MESSAGE,
+    TURN_END,
     Call,
     Dialect,
     InvalidBody,
@@ -20,7 +22,6 @@ from dialects.base import (
     positive_int,
     require_model,
     schema_chars,
-    segment,
     stream_flag,
     string_list,
     text_of,
@@ -96,7 +97,7 @@ class Chat(_Generation):
             if not isinstance(message, dict):
                 continue
             role, text = message.get("role", ""), text_of(message.get("content"))
-            segments.append(segment(role, text))
+            segments.append(f"{role}{ROLE_END}{text}{TURN_END}")  # segment(), inline: once per message
             if role == "user":
                 instruction = text
         return PromptView(tuple(segments), instruction)

@@ -333,14 +333,7 @@ def prefix_keys(
     then blocks of ``coarse_block_chars`` up to ``max_chars`` (the rest is neither hashed nor
     counted).
     """
-    parts: list[str] = []
-    size = 0
-    for part in segments:
-        if size >= max_chars:
-            break
-        parts.append(part)
-        size += len(part)
-    text = "".join(parts)[:max_chars]
+    text = "".join(segments)[:max_chars]
     hasher = hashlib.blake2b(digest_size=8)
     keys: list[int] = []
     ends: list[int] = []
