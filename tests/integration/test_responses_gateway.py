@@ -14,7 +14,15 @@ from typing import Any
 import openai
 import pytest
 
-from tests.integration.harness import API_KEY, OTHER_KEY, access_lines, in_process_gateway, sim_upstream, tenants
+from tests.integration.harness import (
+    API_KEY,
+    OTHER_KEY,
+    access_lines,
+    gateway_process,
+    in_process_gateway,
+    sim_upstream,
+    tenants,
+)
 from tests.integration.redis_server import RedisServer
 
 MODEL = "sim-model"
@@ -80,13 +88,17 @@ async def test_responses_stream_events_pass_through_and_settle_usage(tmp_path: P
 
 
 async def test_a_conversation_continues_on_another_pod_and_can_be_retrieved_and_deleted(tmp_path: Path) -> None:
+    """Two real ``fleetgate serve`` processes (two pods), each with its own managed simulated
+    replica, sharing one real ``redis-server``: the turns alternate between them."""
+    managed = {
+        "models": [{"name": MODEL, "replicas": [{"engine": "sim", "sim": {"ttft_ms": 5, "tokens_per_s": 2000}}]}]
+    }
     with RedisServer() as redis:
-        async with (
-            sim_upstream(MODEL) as sim,
-            in_process_gateway(config(sim, redis_url=redis.url), tmp_path / "a") as (url_a, _, _),
-            in_process_gateway(config(sim, redis_url=redis.url), tmp_path / "b") as (url_b, _, _),
-        ):
-            a, b = client(url_a), client(url_b)
+        pod = {**managed, "redis_url": redis.url, "health": {"interval_s": 0.2}}
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        with gateway_process(pod, tmp_path / "a") as pod_a, gateway_process(pod, tmp_path / "b") as pod_b:
+            a, b = client(pod_a.url), client(pod_b.url)
             first = await a.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=5)
             second = await b.responses.create(
                 model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=5
