@@ -4,38 +4,10 @@ the embedding head). The static head, which classifies when no embedding is at h
 
     .venv/bin/python -m scripts.train_classifier            # needs ../shared/data and scikit-learn
 
-What it does, in order (the labels are ``bench.classifier_data``'s, reasoned in docs/routing.md):
-
-1. Features: ``routing.classifier.features`` of every hard and easy prompt (the middle kinds
-   are never trained on). The vocabulary keeps n-grams seen in at least ``MIN_DF`` prompts
-   of at least ``MIN_GROUPS`` groups (sources, or arena-hard's categories), so a phrase one
-   source's template repeats cannot become a feature; of those, the ``MAX_FEATURES`` most
-   frequent.
-2. Model: L2-regularised logistic regression on the L2-normalised binary features, every
-   group weighing the same within its class and the classes the same (``group_weights``);
-   scikit-learn's ``LogisticRegression``, which only training needs.
-3. Calibration: out-of-fold logits (``CALIBRATION_PROTOCOL``: each easy source scored by a
-   model that never saw it, see ``folds``) set the default tier boundaries: the logit below
-   which ``EASY_QUANTILE`` of the easy prompts fall maps to the small/medium boundary of
-   ``DEFAULT_TIERS`` and the logit above which ``1 - HARD_QUANTILE`` of the hard prompts fall
-   to the medium/large one, through ``score = sigmoid(scale * logit + shift)``. The final
-   model is then trained on every labelled prompt.
-
-With ``--embedding`` it (also) writes the embedding head, ``routing/data/classifier-embedding.json``
-(``routing.embedding_head``; needs the ``semantic`` extra):
-
-4. Vectors: every prompt's ``embedding_text`` embedded by the semantic cache's embedder
-   (``SentenceTransformerEmbedder``, the shipped model and layers unless ``--model-dir``),
-   whose identity the file records, with the window the model read of it (word pieces and
-   the characters they cover: ``embed_windowed``, as the gateway gets it).
-5. Head: the same weighted logistic regression over the vector, ``log1p`` of the prompt's
-   length (``HEAD_LENGTH``), the window's ``chars_per_token`` (``HEAD_CHARS_PER_TOKEN``) and
-   the mean Zipf frequency of its words (``HEAD_WORD_ZIPF``, ``routing.word_frequency``),
-   plus ``HEAD_NGRAM_WEIGHT`` times the n-gram model's logit; the extras are kept only where
-   they raised the held-out AUC (bench/results/classifier.md).
-6. Calibration: as in 3, from the ``HEAD_CALIBRATION_PROTOCOL`` out-of-fold logits with
-   ``HEAD_EASY_QUANTILE`` of the easy prompts and ``HEAD_HARD_QUANTILE`` of real users'
-   short hard asks (``short_real_user_ask``), so the same default tiers hold.
+It writes the n-gram model, and with ``--embedding`` (also) the embedding head,
+``routing/data/classifier-embedding.json`` (needs the ``semantic`` extra). What each step
+does (features, model, calibration against ``DEFAULT_TIERS``; vectors, head) is said once,
+in ``bench.classifier_training``'s docstring.
 
 The recipe (the vocabulary, folds, weights, calibration and the head's fit) is
 ``bench.classifier_training``'s, where ``bench/classifier.py`` takes it to report the
