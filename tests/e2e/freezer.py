@@ -2,13 +2,20 @@
 
 ``python -m tests.e2e.freezer URL ADMIN_KEY REPLICA PID ROUTED TIMEOUT_S``: polls the gateway
 until it has made ``ROUTED`` routing decisions in all (the caller's streams are among them)
-and ``REPLICA`` has no streamed request left waiting for its first token; then reads how many
-requests vLLM itself still counts (``vllm:num_requests_running`` plus waiting, from the
-replica's own ``/metrics``), stops ``PID`` at once, and prints the monotonic time it did
-(``CLOCK_MONOTONIC``: the caller's clock too) and that count. A stream vLLM still counted has
-not had its last chunk written, so the freeze falls inside it; one it no longer counted may
-have been sent whole already (on a loaded machine vLLM's API server was seen to send a whole
-stream at once). Exits 1, with what it last saw, when ``TIMEOUT_S`` passes first.
+and ``REPLICA`` has no streamed request left waiting for its first token; then stops ``PID``
+at once and prints the monotonic time it did (``CLOCK_MONOTONIC``: the caller's clock too) and
+how many requests the gateway still holds open on ``REPLICA`` once what the stopped server
+had written has been read.
+
+That count is judged from the gateway's side, not from vLLM's own gauges: a stopped server
+writes nothing more, so a request the gateway still holds open after every byte the server
+wrote was read (no data queued in either direction's socket, ``/proc/net/tcp``) and its
+count held still for ``SETTLE_S`` is one the freeze falls inside. vLLM's
+``num_requests_running`` was the first judge and proved wrong under load: it read 0 within
+50 ms of the first tokens of 4,000-token streams, because a starved API server had the
+engine's whole output in hand but had written little of it; those streams would have been
+cut, yet the rounds were thrown away until the test gave up. Exits 1, with what it last
+saw, when ``TIMEOUT_S`` passes first.
 
 Its own process, not a thread of the test's: at the start of the streams the test's process
 was seen to make no progress for 7.7 s, and vLLM generates a whole long stream of the tiny
@@ -24,9 +31,12 @@ import re
 import signal
 import sys
 import time
+import urllib.parse
 import urllib.request
 
 POLL_S = 0.02
+# How long the gateway's count of open requests must hold still, after the sockets drained.
+SETTLE_S = 1.0
 ROUTED = "fleetgate_routing_decisions_total"
 
 
@@ -56,24 +66,65 @@ def main(url: str, key: str, replica: str, pid: int, routed: float, timeout_s: f
             return 1
         time.sleep(POLL_S)
     routed_at = time.monotonic()
+
+    def target() -> dict[str, object]:
+        replicas: list[dict[str, object]] = json.loads(get("/admin/fleet"))["replicas"]
+        return next(r for r in replicas if r["id"] == replica)
+
     while True:
-        state = {r["id"]: r for r in json.loads(get("/admin/fleet"))["replicas"]}[replica]
+        state = target()
         if state["prefill_requests"] == 0:
-            text = get_url(state["url"].rstrip("/") + "/metrics").decode()
-            running = metric_sum(text, "vllm:num_requests_running") + metric_sum(text, "vllm:num_requests_waiting")
             os.kill(pid, signal.SIGSTOP)
             frozen_at = time.monotonic()
-            print(frozen_at, int(running), flush=True)
-            # When each step came, for the caller's log.
-            print(
-                f"routed after {routed_at - start:.2f} s, frozen {frozen_at - routed_at:.2f} s later", file=sys.stderr
-            )
-            return 0
+            break
         if time.monotonic() > deadline:
             waiting = state["prefill_requests"]
             print(f"after {timeout_s:g} s: {waiting} streams on {replica} before their first token", file=sys.stderr)
             return 1
         time.sleep(POLL_S)
+    port = urllib.parse.urlsplit(str(state["url"])).port
+    assert port is not None, state["url"]
+    while (queued := unread_bytes(port)) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    drained_at = time.monotonic()
+    open_, still_since = target()["outstanding_requests"], drained_at
+    while time.monotonic() - still_since < SETTLE_S and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        now_open = target()["outstanding_requests"]
+        if now_open != open_:
+            open_, still_since = now_open, time.monotonic()
+    print(frozen_at, int(str(open_)), flush=True)
+    # When each step came, for the caller's log.
+    print(
+        f"routed after {routed_at - start:.2f} s, frozen {frozen_at - routed_at:.2f} s later, "
+        f"sockets drained {drained_at - frozen_at:.2f} s after ({queued} bytes still queued)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def unread_bytes(port: int) -> int:
+    """Bytes a server on ``port`` wrote that its peers have not read yet (``/proc/net/tcp``, ``tcp6``).
+
+    Its own sockets' send queues and the receive queues of the sockets connected to it; what
+    peers sent it (a probe to a stopped server) is not counted.
+    """
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local, remote, queues = fields[1], fields[2], fields[4]
+            tx, rx = (int(q, 16) for q in queues.split(":"))
+            if int(local.rsplit(":", 1)[1], 16) == port:
+                total += tx
+            elif int(remote.rsplit(":", 1)[1], 16) == port:
+                total += rx
+    return total
 
 
 if __name__ == "__main__":

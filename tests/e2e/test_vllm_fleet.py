@@ -363,9 +363,11 @@ async def frozen_mid_stream(
 
     On a loaded machine vLLM's API server was seen to send a whole stream at once (its first
     token 11.3 s after the request, the rest within 50 ms): the engine had generated it all
-    meanwhile, and no freeze could fall inside it. A round in which vLLM counted none of the
-    streams as running when it was frozen is thawed and run again, up to ``STREAM_ROUNDS``
-    times.
+    meanwhile, and no freeze could fall inside it. A round in which the gateway held none of
+    the streams open once the frozen server's written bytes were read is thawed and run
+    again, up to ``STREAM_ROUNDS`` times. (vLLM's own running gauge was the judge first; under
+    load it read 0 while the streams were far from written, and rounds that would have cut
+    them were thrown away: ``tests/e2e/freezer.py``.)
     """
     for round_ in range(1, STREAM_ROUNDS + 1):
         tags = [f"stream {round_}.{i}" for i in range(N_STREAMS)]
@@ -375,9 +377,9 @@ async def frozen_mid_stream(
         try:
             out, err = await asyncio.to_thread(freezer.communicate, timeout=bounded(60) + 10)
             assert freezer.returncode == 0, f"{target} was not frozen: {err.strip()}"
-            frozen, running = out.split()
-            print(f"[e2e] round {round_}: {target} {err.strip()}, running {running} of {N_STREAMS}", flush=True)
-            if int(running):
+            frozen, open_ = out.split()
+            print(f"[e2e] round {round_}: {target} {err.strip()}, {open_} of {N_STREAMS} open", flush=True)
+            if int(open_):
                 return tags, streams, float(frozen)
             os.kill(pid, signal.SIGCONT)
             await asyncio.gather(*streams)
