@@ -33,6 +33,9 @@ class HealthSettings(_Frozen):
     # A probe timeout does not count against a replica that sent bytes on one of this
     # gateway's in-flight requests within this long (busy, not dead).
     progress_window_s: float = Field(10.0, gt=0)
+    # How often each replica's LoRA adapters are read from its /v1/models (on a probe that
+    # passes; also whenever one that was out of rotation passes). None: never.
+    adapters_interval_s: float | None = Field(5.0, gt=0)
     # Consecutive proxy failures (connect errors, 5xx, timeouts) that open a replica's breaker.
     breaker_failures: int = Field(5, ge=1)
     breaker_cooldown_s: float = Field(5.0, gt=0)

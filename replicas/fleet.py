@@ -230,6 +230,7 @@ class Fleet:
             timeout_s=hs.timeout_s,
             failures_to_down=hs.failures_to_down,
             progress_window_s=hs.progress_window_s,
+            adapters_interval_s=hs.adapters_interval_s,
             clock=self.clock,
             on_down=self._on_down,
         )

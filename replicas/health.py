@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterable
 from enum import StrEnum
 
 import aiohttp
+import orjson
 
+from replicas.lora import served_adapters
 from replicas.replica import (
     GAUGE_KV_CAPACITY_TOKENS,
     GAUGE_KV_USAGE,
@@ -177,6 +179,7 @@ class HealthChecker:
         timeout_s: float,
         failures_to_down: int,
         progress_window_s: float = 10.0,
+        adapters_interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_down: Callable[[Replica], None] | None = None,
     ) -> None:
@@ -189,6 +192,7 @@ class HealthChecker:
         self._failures_to_down = failures_to_down
         self._progress_window = progress_window_s
         self._clock = clock
+        self._adapters_interval = adapters_interval_s
 
     async def probe(self, replica: Replica) -> bool:
         """One probe; updates the replica's state and gauges. True when it answered."""
@@ -207,6 +211,8 @@ class HealthChecker:
         outcome = outcome_of(result)
         if outcome is Probe.OK and replica.scrape_metrics:
             await self._scrape(replica)
+        if outcome is Probe.OK and self._adapters_due(replica, self._clock()):
+            await self._list_adapters(replica)
         replica.last_probe = result
         self._apply(replica, outcome, self._clock())
         return outcome is Probe.OK
@@ -239,6 +245,47 @@ class HealthChecker:
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return  # keep the last gauges: a slow scrape is no news about the load
         replica.observe(parse_vllm_metrics(text))
+
+    def _adapters_due(self, replica: Replica, now: float) -> bool:
+        """Whether this probe reads the replica's adapters: every ``adapters_interval_s``,
+        and on every passing probe of a replica out of rotation, so that one (re)started
+        with other adapters rejoins with its current list, not the one before."""
+        interval = self._adapters_interval
+        if interval is None:
+            return False
+        listed = replica.adapters_listed_at
+        return listed is None or replica.state is not ReplicaState.HEALTHY or now - listed >= interval
+
+    async def _list_adapters(self, replica: Replica) -> None:
+        """Read the LoRA adapters the replica serves from its ``/v1/models``.
+
+        A failed or slow listing keeps the last list (no news about the adapters). An
+        adapter added to the replica while the listing was on its way (the gateway loaded
+        it, ``gateway.lora``) is kept even if the listing, older, does not show it.
+        """
+        before = replica.adapters
+        try:
+            async with self._session.get(
+                f"{replica.base_url}/v1/models", headers=replica.upstream_headers, timeout=self._timeout
+            ) as resp:
+                data = await resp.read()
+                if resp.status != 200:
+                    return
+            listed = served_adapters(orjson.loads(data))
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            return
+        replica.adapters_listed_at = self._clock()
+        adapters = listed | (replica.adapters - before)
+        if adapters != replica.adapters:
+            log.info(
+                "replica's adapters changed",
+                extra={
+                    "replica": replica.id,
+                    "added": sorted(adapters - replica.adapters),
+                    "removed": sorted(replica.adapters - adapters),
+                },
+            )
+            replica.adapters = adapters
 
     def _apply(self, replica: Replica, outcome: Probe, now: float) -> None:
         ok = outcome is Probe.OK

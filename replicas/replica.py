@@ -113,6 +113,10 @@ class Replica:
     probe: ProbeKind = "health"
     # Scrape /metrics for vLLM's gauges; without them routing uses this gateway's own counts.
     scrape_metrics: bool = True
+    # The LoRA adapters the replica serves (its /v1/models, ``replicas.lora``), and when
+    # they were last read (gateway clock; None: not yet). Requests naming one go only here.
+    adapters: frozenset[str] = frozenset()
+    adapters_listed_at: float | None = None
     # Sent with every request to the replica, probes included (credentials: never shown).
     upstream_headers: dict[str, str] = field(default_factory=dict, repr=False)
     # When bytes last arrived on one of this gateway's requests to the replica (gateway
@@ -177,6 +181,7 @@ class Replica:
             "probe_failures": self.probe_failures,
             "last_probe": self.last_probe.snapshot() if self.last_probe is not None else None,
             "excused_probe_timeouts": self.excused_probe_timeouts,
+            "adapters": sorted(self.adapters),
             "gauges": dict(self.gauges),
         }
 
