@@ -30,7 +30,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from sim.engine import CHARS_PER_TOKEN, SimRequest, SimStream
-from sim.wire import ENGINE_KEY, MODEL_KEY, SSE_HEADERS, Rejection, invalid, json_response, read_body
+from sim.lora_api import served_name
+from sim.wire import ENGINE_KEY, SSE_HEADERS, Rejection, invalid, json_response, read_body
 
 # vLLM's default when a request sets no token limit is "the rest of the context"; the
 # simulator uses a bounded stand-in so a forgotten limit cannot stream forever.
@@ -105,7 +106,7 @@ async def serve(request: web.Request, api: GenerationApi) -> web.StreamResponse:
     body = await read_body(request)
     if isinstance(body, Rejection):
         return api.error(body)
-    served = request.app[MODEL_KEY]
+    served = served_name(request.app, body)
     generation = api.parse(body, served)
     if isinstance(generation, Rejection):
         return api.error(generation)

@@ -3,6 +3,7 @@
 It serves what the gateway and its tests use of vLLM's HTTP API, byte-compatible in shape:
 
     GET  /health, /v1/models, /metrics (vLLM's metric names); POST /reset_prefix_cache
+    POST /v1/load_lora_adapter                    LoRA adapters as vLLM serves them (``sim.lora_api``)
     POST /v1/chat/completions, /v1/completions    streamed (``stream_options.include_usage``) or whole
     POST /v1/responses                            OpenAI's Responses API (``sim.responses_api``)
     POST /v1/messages, /v1/messages/count_tokens  Anthropic's Messages API (``sim.messages_api``)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +30,7 @@ from aiohttp import web
 from sim import messages_api, pooling_api, responses_api, tokenize_api
 from sim.engine import FixedRateConfig, FixedRateEngine, SimEngine
 from sim.generation import Call, Generation, ToolCall, forced_call, max_tokens_of, seed_of, serve
+from sim.lora_api import LORA_KEY, LoraState, load_lora_adapter, model_cards, parse_modules, runtime_updating
 from sim.prompts import chat_turns, render_chat
 from sim.wire import ENGINE_KEY, MAX_MODEL_LEN_KEY, MODEL_KEY, Rejection, check_model, openai_error
 
@@ -221,8 +224,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     served = request.app[MODEL_KEY]
-    card = {"id": served, "object": "model", "created": 0, "owned_by": "fleetgate-sim", "root": served}
-    return web.Response(body=orjson.dumps({"object": "list", "data": [card]}), content_type="application/json")
+    card = {"id": served, "object": "model", "created": 0, "owned_by": "fleetgate-sim", "root": served, "parent": None}
+    cards = [card, *model_cards(request.app)]
+    return web.Response(body=orjson.dumps({"object": "list", "data": cards}), content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -281,18 +285,23 @@ def create_app(
     *,
     busy_health_delay_s: float = 0.0,
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    lora: LoraState | None = None,
+    runtime_lora: bool = False,
 ) -> web.Application:
-    """The server's routes, all registered here."""
+    """The server's routes, all registered here (``runtime_lora``: ``/v1/load_lora_adapter`` too)."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app[MODEL_KEY] = served_model
     app[MAX_MODEL_LEN_KEY] = max_model_len
     app[BUSY_HEALTH_DELAY_KEY] = busy_health_delay_s
+    app[LORA_KEY] = lora or LoraState()
     app[tokenize_api.VOCABULARY_KEY] = tokenize_api.Vocabulary()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    if runtime_lora:
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses_api.create_response)
@@ -328,6 +337,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--busy-health-delay-ms", type=float, default=0.0, help="answer /health this late while generating"
     )
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (as vLLM's flag)")
+    parser.add_argument(
+        "--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="adapters served from the start"
+    )
+    parser.add_argument("--lora-load-ms", type=float, default=0.0, help="how long a run-time adapter load takes")
     parser.add_argument(
         "--keepalive-timeout-s", type=float, default=75.0, help="an idle keep-alive connection is closed after this"
     )
@@ -355,8 +369,16 @@ def run(args: argparse.Namespace) -> None:
 
     # A profile's context window, as its engine was built (a KV-cache override may shrink it).
     max_model_len = engine.profile.max_model_len if isinstance(engine, BatchedSimEngine) else DEFAULT_MAX_MODEL_LEN
+    if args.lora_modules and not args.enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora")
+    lora = LoraState(args.enable_lora, parse_modules(args.lora_modules), args.lora_load_ms / 1000)
     app = create_app(
-        engine, args.model, busy_health_delay_s=args.busy_health_delay_ms / 1000, max_model_len=max_model_len
+        engine,
+        args.model,
+        busy_health_delay_s=args.busy_health_delay_ms / 1000,
+        max_model_len=max_model_len,
+        lora=lora,
+        runtime_lora=runtime_updating(os.environ),
     )
     web.run_app(
         app,
