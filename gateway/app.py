@@ -45,6 +45,7 @@ from gateway.errors import (
 )
 from gateway.exchange import CLIENT_CLOSED, REQUEST_ID_HEADER, Exchange, request_id
 from gateway.logs import AccessLog
+from gateway.lora import AdapterLoader
 from gateway.metrics import FleetCollector, GatewayMetrics, QuotaCollector, watch_loop_lag
 from gateway.proxy import Proxy
 from gateway.reload import ConfigWatcher
@@ -57,6 +58,7 @@ from limits.limiter import LimiterOptions, create_limiter
 from limits.metrics import LimitsMetrics
 from replicas.credentials import CredentialError
 from replicas.fleet import Fleet
+from routing.adapters import AdapterCatalog, AdapterSpec
 from routing.embedding_head import EmbeddingHeadError, load_head
 from routing.metrics import QueueCollector, RoutingMetrics
 from routing.router import PoolSpec, Router
@@ -162,6 +164,14 @@ class Gateway:
             static=static,
         )
         self.metrics.registry.register(QueueCollector(self.router.depths))
+        configured = [AdapterSpec(a.name, m.name, a.path) for m in settings.models for a in m.adapters]
+        self.adapters = AdapterLoader(
+            AdapterCatalog(configured, self.fleet.by_model),
+            self.fleet.by_model,
+            lambda: self.proxy.client,
+            timeout_s=settings.upstream.adapter_load_timeout_s,
+            clock=clock,
+        )
         self.pending = PendingTokens(m.name for m in settings.models)
         self.metrics.registry.register(AutoscaleCollector(self.pending, settings.autoscaling.target))
         self.apply_tenants(settings.tenants, settings.admin_api_keys)
@@ -197,6 +207,7 @@ class Gateway:
             pending=self.pending,
             routing_metrics=self.routing_metrics,
             responses=self.responses,
+            adapters=self.adapters,
             clock=self.clock,
         )
 
@@ -254,8 +265,8 @@ class Gateway:
             if ex.route is not None:
                 ex.route.finished()
             self.metrics.requests_in_flight -= 1
-            if ex.pending and ex.model is not None:
-                self.pending.remove(ex.model, ex.pending)
+            if ex.pending and ex.pool is not None:
+                self.pending.remove(ex.pool, ex.pending)
             self.accounting.close(ex)
 
     def _client_left(self, ex: Exchange) -> None:
@@ -271,8 +282,10 @@ class Gateway:
             key = self.keyring.owner_of(credential(request.headers))
         except GatewayError as err:
             return error_response(err, headers)
-        names = ("auto", *self.fleet.by_model, *self._aliases(key.owner))
-        data = [_model_object(n) for n in names]
+        # Every tenant may call every fleet model, so every tenant sees every adapter too.
+        adapters = self.adapters.catalog.listing()
+        names = ("auto", *self.fleet.by_model, *self._aliases(key.owner), *adapters)
+        data = [_model_object(n, adapters.get(n)) for n in names]
         page = {"object": "list", "data": data, "has_more": False, "first_id": names[0], "last_id": names[-1]}
         return web.json_response(page, headers=headers)
 
@@ -290,11 +303,13 @@ class Gateway:
         name = request.match_info["model"]
         try:
             key = self.keyring.owner_of(credential(request.headers))
-            if name != "auto" and name not in self.fleet.by_model and name not in self._aliases(key.owner):
+            parent = self.adapters.catalog.base_of(name)
+            known = name == "auto" or name in self.fleet.by_model or name in self._aliases(key.owner)
+            if not known and parent is None:
                 raise NotFound(f"The model '{name}' does not exist.", code="model_not_found", param="model")
         except GatewayError as err:
             return error_response(err, headers)
-        return web.json_response(_model_object(name), headers=headers)
+        return web.json_response(_model_object(name, parent), headers=headers)
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """``GET``/``DELETE /v1/responses/{id}``, ``GET .../input_items``, ``POST .../cancel``:
@@ -357,10 +372,11 @@ def _refuse(ex: Exchange, err: GatewayError) -> web.Response:
     return error_response(err, ex.headers, ex.dialect.errors)
 
 
-def _model_object(name: str) -> dict[str, Any]:
+def _model_object(name: str, parent: str | None = None) -> dict[str, Any]:
     """A model in OpenAI's shape, with the fields Anthropic's SDK reads (``type``,
-    ``display_name``, ``created_at``) beside them: one list serves both SDKs."""
-    return {
+    ``display_name``, ``created_at``) beside them: one list serves both SDKs. A LoRA
+    adapter names its base model in ``parent``, as vLLM lists it."""
+    model: dict[str, Any] = {
         "id": name,
         "object": "model",
         "created": 0,
@@ -369,6 +385,9 @@ def _model_object(name: str) -> dict[str, Any]:
         "display_name": name,
         "created_at": "1970-01-01T00:00:00Z",
     }
+    if parent is not None:
+        model["parent"] = parent
+    return model
 
 
 def create_app(gateway: Gateway) -> web.Application:

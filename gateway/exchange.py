@@ -103,7 +103,14 @@ class Exchange:
     call: Call = field(init=False)
     tenant: TenantSettings | None = None
     key_id: str | None = None
+    # The model the request is counted, limited, cached and logged as: the name it asked for
+    # (an alias resolved), a LoRA ``adapter``'s own name included.
     model: str | None = None
+    # The model whose pool serves it (``model``, or the base model of its ``adapter``): its
+    # pending tokens count there.
+    pool: str | None = None
+    # The LoRA adapter the request names (routing.adapters): sent upstream as ``model``.
+    adapter: str | None = None
     # Tokens counted in the model's pending gauge for this request (autoscaling).
     pending: int = 0
     lease: Lease | None = None

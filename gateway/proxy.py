@@ -229,7 +229,7 @@ class Proxy:
             status, ctype, body, retry_after = await self.client.fetch(
                 "POST",
                 url,
-                call.upstream_body(replica.served_model),
+                call.upstream_body(ex.adapter or replica.served_model),
                 self._request_headers(ex, replica),
                 timeout_s=self.settings.request_timeout_s,
                 max_bytes=self.settings.max_response_bytes,
@@ -316,7 +316,7 @@ class Proxy:
                 resp = await self.client.open(
                     "POST",
                     replica.base_url + call.dialect.path,
-                    call.upstream_body(replica.served_model),
+                    call.upstream_body(ex.adapter or replica.served_model),
                     self._request_headers(ex, replica),
                 )
                 if resp.status != 200:

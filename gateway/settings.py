@@ -34,6 +34,7 @@ from replicas.config import KubernetesSource as KubernetesSource
 from replicas.config import ReplicaSettings as ReplicaSettings
 from replicas.config import RestartSettings as RestartSettings
 from replicas.config import SimSettings as SimSettings
+from replicas.lora import AdapterSettings
 from routing.config import CapacitySettings, DegradeSettings, Priority, RoutingSettings
 
 # The built-in development key. Only present when no tenant is configured at all, and
@@ -133,6 +134,8 @@ class UpstreamSettings(_Frozen):
     keepalive_interval_s: float = Field(10.0, gt=0)
     # Tries per request across replicas (1 = no retry); only before a byte reached the client.
     max_attempts: int = Field(3, ge=1, le=10)
+    # A LoRA adapter's load on a replica (POST /v1/load_lora_adapter, gateway.lora).
+    adapter_load_timeout_s: float = Field(60.0, gt=0)
     pool_size: int = Field(1024, ge=1)
 
 
@@ -162,6 +165,9 @@ class ModelSettings(_Frozen):
     fallback: list[str] = []
     # Per replica; unset: routing.capacity.
     capacity: CapacitySettings | None = None
+    # LoRA adapters of this model: requests naming one go to the replicas that serve it;
+    # one with a path is loaded on a replica when none does (routing.adapters, gateway.lora).
+    adapters: list[AdapterSettings] = []
 
 
 class ApiKeySettings(_Frozen):
@@ -271,6 +277,7 @@ class Settings(BaseSettings):
         if len(ids) != len(set(ids)):
             raise ValueError("tenants: duplicate tenant id")
         _check_routing_refs(self)
+        _check_adapters(self)
         unknown = sorted(set(self.autoscaling.per_model) - set(names))
         if unknown:
             raise ValueError(f"autoscaling.per_model: {unknown} are not configured models")
@@ -316,6 +323,19 @@ def _check_routing_refs(settings: Settings) -> None:
             unknown = sorted(set(tenant.allow_force_tier) - tiers)
             if unknown:
                 raise ValueError(f"tenants.{i}.allow_force_tier: {unknown} are not routing tiers")
+
+
+def _check_adapters(settings: Settings) -> None:
+    """An adapter's name is a model name clients send: unique, and no configured model's."""
+    names = {m.name for m in settings.models} | {"auto"}
+    seen: set[str] = set()
+    for i, model in enumerate(settings.models):
+        for j, adapter in enumerate(model.adapters):
+            if adapter.name in names:
+                raise ValueError(f"models.{i}.adapters.{j}.name: {adapter.name!r} is a model's name")
+            if adapter.name in seen:
+                raise ValueError(f"models.{i}.adapters.{j}.name: {adapter.name!r} is configured twice")
+            seen.add(adapter.name)
 
 
 def hash_key(key: str) -> str:

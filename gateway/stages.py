@@ -61,6 +61,7 @@ from gateway.errors import (
     ServiceUnavailable,
 )
 from gateway.exchange import CACHE_HEADER, PRIORITY_HEADER, ROUTE_HEADER, TIER_HEADER, TIMEOUT_HEADER, Exchange
+from gateway.lora import AdapterLoader
 from gateway.proxy import Proxy
 from gateway.request import context_overflow, parse_call
 from gateway.responses_state import ResponseState
@@ -100,10 +101,12 @@ class Stages:
         pending: PendingTokens,
         routing_metrics: RoutingMetrics,
         responses: ResponseState,
+        adapters: AdapterLoader,
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
         self.responses = responses
+        self.adapters = adapters
         self.keyring = keyring
         self.tenants = tenants
         self.fleet = fleet
@@ -128,6 +131,7 @@ class Stages:
                 self.classify,
                 self.admit,
                 *((self.look_up_cache,) if uses_cache else ()),
+                *((self.load_adapter,) if adapters.loads else ()),
                 self.queue,
                 self.forward,
             )
@@ -187,19 +191,22 @@ class Stages:
             model = self.default_model
         elif name in self.fleet.by_model:
             model = name
+        elif (base := self.adapters.catalog.base_of(name)) is not None:
+            model, ex.adapter = base, name
         else:
             return NotFound(
                 f"The model '{name}' does not exist or you do not have access to it.",
                 code="model_not_found",
                 param="model",
             )
-        ex.model = model
+        ex.model, ex.pool = ex.adapter or model, model
         limit = self.max_model_len.get(model)
         if limit is not None:
             too_long = context_overflow(call, limit)
             if too_long is not None:
                 return too_long
         route = self.router.route(model, call.prompt, call.prompt_tokens_estimate, call.max_tokens, choice, tenant.id)
+        route.adapter = ex.adapter
         ex.route = route
         ex.pending = route.cost
         self.pending.add(model, ex.pending)
@@ -257,6 +264,13 @@ class Stages:
         response = await self._replay(ex, request, hit)
         ex.charged = ResponseCache.tokens_to_charge(hit.completion, tenant.cache)
         return response
+
+    async def load_adapter(self, ex: Exchange, request: web.Request) -> Reply:
+        """A LoRA adapter that no routable replica serves is loaded on one first, when its
+        configuration says where from (``gateway.lora``): one load for all who ask at once."""
+        if ex.adapter is None or ex.pool is None:
+            return CONTINUE
+        return await self.adapters.ensure(ex.adapter, ex.pool)
 
     async def queue(self, ex: Exchange, request: web.Request) -> Reply:
         """The request's deadline, then a slot in its model's pool.

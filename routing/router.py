@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from dialects.base import PromptView
 from replicas.replica import Claim, Replica
+from routing.adapters import serving
 from routing.admission import Admission
 from routing.capacity import Capacity
 from routing.classifier import Classification, classify, resolve_tier
@@ -147,26 +148,29 @@ class Pool:
         # Where prefixes were sent (None when nothing hashes prompts: no estimate needed).
         self.index = index
 
-    def pick(self, request: RouteRequest, now: float, exclude: Collection[str]) -> Decision:
+    def pick(self, request: RouteRequest, now: float, exclude: Collection[str], adapter: str | None = None) -> Decision:
         """The policy's choice, among replicas with a free slot when some are full and others not.
 
         For a policy that keeps prefixes where they are cached (``Policy.keeps_prefixes``),
-        among those where the request is worth sending: see ``_worth_diverting``.
+        among those where the request is worth sending: see ``_worth_diverting``. A request
+        for a LoRA ``adapter`` chooses among the replicas that serve it only.
         """
-        replicas = self.replicas
+        replicas = self.replicas if adapter is None else serving(self.replicas, adapter)
         if self.capacity.bounded:
             slots = self.capacity.slots
             roomy = [r for r in replicas if slots(r) > 0]
             if roomy and len(roomy) != len(replicas):
                 if self.policy.keeps_prefixes:
-                    roomy = self._worth_diverting(roomy, request, now)
+                    roomy = self._worth_diverting(roomy, request, now, replicas)
                 if roomy:
                     decision = self.policy.pick(roomy, request, now, exclude)
                     if decision.replica is not None:
                         return decision
         return self.policy.pick(replicas, request, now, exclude)
 
-    def _worth_diverting(self, roomy: list[Replica], request: RouteRequest, now: float) -> list[Replica]:
+    def _worth_diverting(
+        self, roomy: list[Replica], request: RouteRequest, now: float, replicas: Sequence[Replica]
+    ) -> list[Replica]:
         """The replicas with room whose first token comes sooner than at a full one, caches counted.
 
         A replica full only for its prefill backlog (``routing.capacity``) would start the
@@ -187,10 +191,10 @@ class Pool:
             return roomy
         capacity = self.capacity
         backlog = capacity.prefill_backlog
-        uncached = {r.id: request.uncached_tokens(index.depth(keys, r.id)) for r in self.replicas}
+        uncached = {r.id: request.uncached_tokens(index.depth(keys, r.id)) for r in replicas}
         fewest = min(uncached.values())
         names = {r.id for r in roomy}
-        full = [r for r in self.replicas if r.id not in names and r.routable(now)]
+        full = [r for r in replicas if r.id not in names and r.routable(now)]
         if not full or any(capacity.slots(r, prefill=False) <= 0 for r in full):
             return roomy
         wait = min(backlog(r) + uncached[r.id] for r in full)
@@ -210,6 +214,7 @@ class Route:
         "_prefill",
         "_request",
         "_router",
+        "adapter",
         "budget_denied",
         "choice",
         "degraded",
@@ -250,6 +255,9 @@ class Route:
         self.queued_s: float | None = None
         self.degraded: str | None = None
         self.budget_denied = False
+        # The LoRA adapter the request names (``routing.adapters``): only the replicas of
+        # its pool that serve it are chosen, and no fallback model (none serves it).
+        self.adapter: str | None = None
 
     @property
     def pool(self) -> Pool:
@@ -295,7 +303,7 @@ class Route:
         router = self._router
         chain = self._chain
         if chain is None:
-            chain = self._chain = router.chain(self.model)
+            chain = self._chain = router.chain(self.model) if self.adapter is None else (router.pools[self.model],)
         if self._request is None:
             # First pick: the policy's view of the request, built once; the request counts
             # towards its pool's retry budget.
@@ -303,7 +311,7 @@ class Route:
             chain[0].budget.deposit(now)
         request = self._request
         for position, pool in enumerate(chain):
-            decision = pool.pick(request, now, exclude)
+            decision = pool.pick(request, now, exclude, self.adapter)
             replica = decision.replica
             if replica is None:
                 continue
