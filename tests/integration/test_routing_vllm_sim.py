@@ -15,12 +15,25 @@ hash, so one set could fail the bar by chance.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import defaultdict
 from statistics import fmean
 
-from bench.routing_vllm import BenchConfig, RowResult, run_engine
+from bench.routing_vllm import MULTITURN, BenchConfig, RowResult, run_engine
 
 SMOKE = BenchConfig(engine="sim", requests=320, seeds=(1, 2))
+# The multi-turn workload's code path, in brief: 12 short conversations over 4 prompts.
+MULTITURN_SMOKE = dataclasses.replace(
+    MULTITURN,
+    engine="sim",
+    prompts=4,
+    prompt_tokens=200,
+    conversations=12,
+    concurrency=4,
+    max_tokens=16,
+    kv_blocks=None,
+    rows=("prefix_affinity", "client_hash", "session_hash"),
+)
 
 
 def test_the_simulator_shows_what_prefix_placement_is_worth_under_kv_pressure() -> None:
@@ -51,3 +64,25 @@ def _means(results: list[RowResult]) -> tuple[dict[str, float], dict[str, float]
         hits[r.row].append(r.hit_rate)
         lates[r.row].append(sum(r.quarters[2:]) / 2)
     return {k: fmean(v) for k, v in hits.items()}, {k: fmean(v) for k, v in lates.items()}
+
+
+def test_the_multiturn_workload_runs_conversations_and_counts_where_their_requests_went() -> None:
+    run = asyncio.run(run_engine(MULTITURN_SMOKE, print))
+    results: dict[str, RowResult] = {r.row: r for r in run["_results"]}
+    assert set(results) == {"prefix_affinity", "client_hash", "session_hash"}
+    requests = run["requests_per_set"]["1"]
+    for r in results.values():
+        assert r.errors == 0, r
+        assert len(r.ttft_s) == requests * r.runs
+        # The simulator has no request counter: the split is what the client saw, every request once.
+        assert r.split_source == "client"
+        assert set(r.requests_per_replica) == {"r0", "r1"}
+        assert sum(r.requests_per_replica.values()) == requests, r.requests_per_replica
+        assert 0.5 <= r.max_share <= 1.0
+        # Every turn after the first finds its conversation's history cached where it went before.
+        assert r.hit_rate > 0.5, (r.row, r.hit_rate)
+    assert [v["bar"] for v in run["verdicts"]] == [
+        "set 1: prefix_affinity hit rate",
+        "set 1: prefix_affinity busiest replica",
+        "set 1: prefix_affinity errors",
+    ]
