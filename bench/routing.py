@@ -6,6 +6,8 @@
     .venv/bin/python bench/routing.py --fair-only     # the fair-queue experiment alone: routing-fair.json
     .venv/bin/python bench/routing.py --from-json bench/results/routing.json --fair-from bench/results/routing-fair.json
                                                       # the report with that run's fair-queue section
+    .venv/bin/python bench/routing.py --only hot-prefix   # hot-prefix saturation alone (~6 min):
+                                                          # bench/results/routing-hot-prefix.md
 
 Each policy gets its own ``fleetgate serve`` process with eight managed ``engine: sim``
 replicas (``h100-llama-3.1-8b``), started once and kept for the whole run. The four fleets
@@ -18,6 +20,12 @@ figure is converted back to real-time-equivalent seconds.
 Workloads (``bench/profiles/routing-*.yaml``), open loop, arrival rates rising through
 saturation, three seeds each; the bars of issue 7 are judged in the report. A fair-queue
 experiment follows: tenant A alone, then tenant A while tenant B floods at ten times its share.
+
+``--only hot-prefix`` runs one more case on its own: four replicas, eight system prompts of
+Zipf popularity whose hottest alone needs more than one replica at the upper rates
+(``routing-hot-zipf``), against ``client_hash`` (the client sends each request straight to
+the replica an MD5 of its system prompt picks: what a router that pins prefixes does) and
+round robin. ``--only KEY,...`` also runs any of the workloads above alone.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
+import hashlib
 import os
 import resource
 import secrets
@@ -60,7 +70,7 @@ from bench.routing_metrics import RUNNING, WAITING, FleetReading, point_summary,
 from capacity.fleet_probe import FleetProbe, MetricsSource
 from capacity.loadgen import LoadGenerator, PointPlan, Progress, Target
 from capacity.stats import Metrics, RequestSample
-from capacity.workload import Workload, load_workload
+from capacity.workload import RequestSpec, Workload, load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -79,6 +89,11 @@ SETTLE_TIMEOUT_S = 60.0
 SETTLE_POLL_S = 0.25
 TENANT_A = TenantSpec("tenant-a", "sk-routing-tenant-a")
 TENANT_B = TenantSpec("tenant-b", "sk-routing-tenant-b")
+# A row that is not a gateway policy: the client hashes each request's shared prefix to a
+# replica and sends it there itself. Its fleet's gateway only starts and watches the replicas.
+CLIENT_HASH = "client_hash"
+# The policy that idle gateway runs with (it routes nothing).
+CLIENT_HASH_GATEWAY_POLICY = "round_robin"
 T = TypeVar("T")
 
 
@@ -168,6 +183,28 @@ EXPERIMENTS = (
         background_lead_s=8.0,
     ),
 )
+# The hot-prefix saturation case (``--only hot-prefix``): its bars ask the default for 1.2x
+# the hash's goodput at the saturating rates, with a TTFT p95 no worse than the hash's.
+SATURATION_EXPERIMENT = Experiment(
+    "hot_prefix_saturation",
+    "routing-hot-zipf",
+    "(5) Zipf-popular prefixes, the hottest saturating one replica",
+    # A replica serves ~2.5 of these requests/s: the hottest prompt (40%) needs half a replica
+    # at 3/s, one at 6/s, one and a half at 9/s, where the fleet runs near its capacity (~10/s).
+    rates=(3.0, 6.0, 9.0),
+    prewarm_s=10.0,
+)
+SATURATION_GOODPUT_BAR = 1.2
+SATURATION = BenchConfig(
+    experiments=(SATURATION_EXPERIMENT,),
+    fair=None,
+    seeds=(1, 2, 3),
+    timing=Timing(warmup_s=4.0, duration_s=8.0, time_scale=0.5),
+    policies=(DEFAULT_POLICY, "round_robin", CLIENT_HASH),
+    replicas=4,
+)
+# ``--only`` names: the workloads' keys, and "hot-prefix" for the saturation case.
+ONLY_SATURATION = "hot-prefix"
 FULL = BenchConfig(
     experiments=EXPERIMENTS,
     fair=FairPlan("routing-no-reuse", rate_a=6.0, rate_b=75.0, capacity=15.0, duration_s=24.0),
@@ -218,6 +255,35 @@ class FairRun:
 
 
 # -- running ----------------------------------------------------------------------------
+
+
+def prefix_home(spec: RequestSpec, replicas: int) -> int:
+    """The client-side hash: an MD5 of the shared prefix the request opens with, modulo the replicas.
+
+    The prefix's name (``system#12``) stands for its text: the system message also carries
+    per-user data after the shared part, which would make every session hash apart. A request
+    with no shared opening hashes its first message.
+    """
+    key = spec.prefix_key or (spec.messages[0]["content"] if spec.messages else "")
+    return int.from_bytes(hashlib.md5(key.encode()).digest()[:8], "little") % replicas
+
+
+class HashingLoadGenerator(LoadGenerator):
+    """A load generator that sends each request straight to the replica ``prefix_home`` picks."""
+
+    def __init__(self, workload: Workload, replica_urls: Sequence[str], run_id: str) -> None:
+        super().__init__(workload, run_id=run_id)
+        self.replica_urls = tuple(replica_urls)
+
+    async def _stream(
+        self, run: Any, spec: RequestSpec, sample: RequestSample, times: list[float], parts: list[str]
+    ) -> None:
+        # The run's state is shared by its requests; only the target differs, so the request
+        # streams through a shallow copy naming its replica (warm keys and counters stay shared).
+        home = self.replica_urls[prefix_home(spec, len(self.replica_urls))]
+        routed = copy.copy(run)
+        routed.target = replace(run.target, base_url=home, api_key=None)
+        await super()._stream(routed, spec, sample, times, parts)
 
 
 def split_workload(workload: Workload, background: str | None) -> tuple[Workload, Workload | None, float]:
@@ -307,9 +373,20 @@ class Bench:
     async def run(self, work_dir: Path) -> None:
         c = self.config
         tenants = (TenantSpec("bench", "sk-routing-bench"), TENANT_A, TENANT_B)
-        specs = [FleetSpec(p, c.replicas, c.profile, c.timing.time_scale, 0, tenants, c.nice) for p in c.policies]
+        specs = [
+            FleetSpec(
+                CLIENT_HASH_GATEWAY_POLICY if p == CLIENT_HASH else p,
+                c.replicas,
+                c.profile,
+                c.timing.time_scale,
+                0,
+                tenants,
+                c.nice,
+            )
+            for p in c.policies
+        ]
         async with contextlib.AsyncExitStack() as stack:
-            fleets = [PolicyFleet(spec, work_dir) for spec in specs]
+            fleets = [PolicyFleet(spec, work_dir / row) for row, spec in zip(c.policies, specs, strict=True)]
             for fleet in fleets:  # each is stopped on the way out, started or not
                 stack.push_async_exit(fleet)
             started = time.monotonic()
@@ -317,7 +394,7 @@ class Bench:
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
-            self.fleets = {f.spec.policy: f for f in fleets}
+            self.fleets = dict(zip(c.policies, fleets, strict=True))
             self.log(f"{len(fleets)} fleets of {c.replicas} replicas ready in {time.monotonic() - started:.0f} s")
             self._session = await stack.enter_async_context(aiohttp.ClientSession())
             try:
@@ -358,9 +435,9 @@ class Bench:
         run_id = f"{self.nonce}-{exp.key}"
         key = TenantSpec("bench", "sk-routing-bench").api_key
         async with contextlib.AsyncExitStack() as stack:
-            gens = {p: await stack.enter_async_context(LoadGenerator(fg, run_id=run_id)) for p in c.policies}
+            gens = {p: await stack.enter_async_context(self.generator(p, fg, run_id)) for p in c.policies}
             bg_gens = {
-                p: await stack.enter_async_context(LoadGenerator(bg, run_id=run_id)) if bg is not None else None
+                p: await stack.enter_async_context(self.generator(p, bg, run_id)) if bg is not None else None
                 for p in c.policies
             }
             targets = {p: Target(p, self.fleets[p].url, MODEL, key) for p in c.policies}
@@ -392,6 +469,12 @@ class Bench:
                     for policy, (samples, window_s, metrics, reading) in zip(c.policies, results, strict=True):
                         self.points.append(PointRun(exp.key, policy, rate, seed, metrics, window_s, reading, samples))
                     self.log(_progress_line(exp.key, rate, seed, c.policies, results, time.monotonic() - started))
+
+    def generator(self, row: str, workload: Workload, run_id: str) -> LoadGenerator:
+        """The load generator of ``row``: through its gateway, or (``client_hash``) straight to its replicas."""
+        if row == CLIENT_HASH:
+            return HashingLoadGenerator(workload, self.fleets[row].replica_urls, run_id)
+        return LoadGenerator(workload, run_id=run_id)
 
     async def run_fair(self, fair: FairPlan) -> None:
         c = self.config
@@ -574,6 +657,21 @@ def _git_rev() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def _git_modified() -> list[str]:
+    """Paths changed in the working tree against its commit (what the commit alone does not say)."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line[3:] for line in out.stdout.splitlines() if line.strip()]
+
+
 async def run_config(config: BenchConfig, work_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Run ``config`` and return the JSON document (not yet written)."""
     bench = Bench(config, log)
@@ -583,6 +681,7 @@ async def run_config(config: BenchConfig, work_dir: Path, log: Callable[[str], N
     meta: dict[str, Any] = {
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "git": _git_rev(),
+        "modified": _git_modified(),
         "routing_key": routing_supported(),
         "model": MODEL,
         "command": " ".join(["bench/routing.py", *sys.argv[1:]]),
@@ -638,6 +737,93 @@ def write_outputs(doc: dict[str, Any], out_dir: Path, name: str, report: bool = 
     return [json_path, *(write_report(doc, out_dir, name) if report else [])]
 
 
+def saturation_report(doc: dict[str, Any]) -> str:
+    """The hot-prefix saturation case: per rate and row, goodput, TTFT and the spread; its bars."""
+    meta, config = doc["meta"], doc["config"]
+    exp = config["experiments"][0]
+    policies = config["policies"]
+    pooled_by = {(p["policy"], p["rate"]): p["metrics"] for p in doc["pooled"]}
+    generated: dict[tuple[str, float], list[float]] = {}
+    for point in doc["points"]:
+        if point["replicas"] is not None:
+            per = generated.setdefault((point["policy"], point["rate"]), [0.0] * len(point["replicas"]["generated"]))
+            for k, g in enumerate(point["replicas"]["generated"]):
+                per[k] += g
+
+    def f(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lines = [
+        "# Routing: hot-prefix saturation (simulated replicas)",
+        "",
+        f"`{meta['command']}` ({meta['wall_s'] / 60:.1f} min, {meta['started_at']}, commit `{meta['git']}`"
+        + (f", modified: {', '.join(meta['modified'])}" if meta.get("modified") else "")
+        + f"; load average {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after).",
+        "",
+        "## The bars",
+        "",
+        "| bar | asks | measured | verdict |",
+        "| --- | --- | --- | --- |",
+    ]
+    top = max(exp["rates"])
+    ref = pooled_by.get((CLIENT_HASH, top))
+    for policy in policies:
+        m = pooled_by.get((policy, top))
+        if policy == CLIENT_HASH or m is None or ref is None:
+            continue
+        ratio = m["goodput"] / ref["goodput"] if m["goodput"] is not None and ref["goodput"] else None
+        lines.append(
+            f"| {policy} goodput at {top:g}/s | >= {SATURATION_GOODPUT_BAR}x client hash's | "
+            f"{f(m['goodput'], '.2f')}/s vs {f(ref['goodput'], '.2f')}/s ({f(ratio, '.2f')}x) | "
+            f"{'pass' if ratio is not None and ratio >= SATURATION_GOODPUT_BAR else '**fail**'} |"
+        )
+        ok = m["ttft_p95"] is not None and ref["ttft_p95"] is not None and m["ttft_p95"] <= ref["ttft_p95"]
+        lines.append(
+            f"| {policy} TTFT p95 at {top:g}/s | <= client hash's | "
+            f"{f(m['ttft_p95'], '.2f')} s vs {f(ref['ttft_p95'], '.2f')} s | {'pass' if ok else '**fail**'} |"
+        )
+    lines += [
+        "",
+        "## Every rate",
+        "",
+        "| rate (req/s) | row | goodput (req/s) | attainment | TTFT p50 | TTFT p95 | hit rate "
+        "| busiest replica (share of tokens generated) | mean-load imbalance |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for rate in exp["rates"]:
+        for policy in policies:
+            m = pooled_by.get((policy, rate))
+            if m is None:
+                continue
+            per = generated.get((policy, rate), [])
+            share = max(per) / sum(per) if per and sum(per) > 0 else None
+            lines.append(
+                f"| {rate:g} | {policy} | {f(m['goodput'], '.2f')} | {f(m['attainment'], '.0%')} "
+                f"| {f(m['ttft_p50'], '.2f')} s | {f(m['ttft_p95'], '.2f')} s | {f(m['hit_rate'], '.3f')} "
+                f"| {f(share, '.0%')} | {f(m['imbalance'], '.2f')} |"
+            )
+    lines += [
+        "",
+        "## Method",
+        "",
+        f"- **Fleets**: one per row, {config['replicas']} simulated replicas each (`{config['profile']}`), "
+        "side by side, every point played against all rows at once. Gateway rows: `fleetgate serve` with "
+        f"`routing.policy`. `{CLIENT_HASH}`: the client sends each request straight to the replica an MD5 of "
+        "its system prompt's name picks (the fleet's gateway only starts the replicas).",
+        f"- **Workload**: `bench/profiles/{exp['profile']}.yaml`, open loop at "
+        f"{', '.join(f'{r:g}' for r in exp['rates'])} requests/s, "
+        f"seeds {', '.join(map(str, config['seeds']))}, pooled; caches pre-warmed at the middle rate "
+        f"for {exp['prewarm_s']:g} s. Windows of {config['timing']['duration_s']:g} s after "
+        f"{config['timing']['warmup_s']:g} s of warm-up (simulated time; the GPUs run at "
+        f"{config['timing']['time_scale']:g}x real time).",
+        "- **Goodput**: requests per second that completed within both SLOs (TTFT and inter-token latency, "
+        "`bench/routing_metrics.py`); attainment is their share of requests sent. The bars are judged at the top "
+        "rate, where the hottest prompt alone needs more than one replica.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="bench/routing.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -646,7 +832,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="output directory (bench/results)")
     parser.add_argument("--name", help="file stem (routing, or routing-quick with --quick)")
     parser.add_argument("--time-scale", type=float, help="override the simulated GPUs' speed vs real time")
-    parser.add_argument("--policies", help="comma-separated subset of " + ",".join(POLICIES))
+    parser.add_argument("--policies", help="comma-separated subset of " + ",".join((*POLICIES, CLIENT_HASH)))
+    parser.add_argument(
+        "--only",
+        help=f"comma-separated workload keys to run alone ({', '.join(e.key for e in EXPERIMENTS)}; no fair queue), "
+        f"or {ONLY_SATURATION!r}: the hot-prefix saturation case (routing-hot-prefix.md)",
+    )
     parser.add_argument("--from-json", type=Path, metavar="FILE", help="write the report again from a run's JSON")
     parser.add_argument(
         "--fair-only", action="store_true", help="run the fair-queue experiment alone (writes routing-fair.json)"
@@ -658,7 +849,16 @@ def main(argv: list[str] | None = None) -> int:
         help="with --from-json: take the fair-queue section from this --fair-only run (the method says so)",
     )
     args = parser.parse_args(argv)
-    name = args.name or ("routing-quick" if args.quick else "routing-fair" if args.fair_only else "routing")
+    saturation = args.only == ONLY_SATURATION
+    name = args.name or (
+        "routing-hot-prefix"
+        if saturation
+        else "routing-quick"
+        if args.quick
+        else "routing-fair"
+        if args.fair_only
+        else "routing"
+    )
     if args.from_json and args.fair_only:
         parser.error("--fair-only runs the experiment; --from-json only writes a report")
     if args.from_json:
@@ -670,13 +870,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.fair_from:
         parser.error("--fair-from goes with --from-json")
-    config = QUICK if args.quick else FULL
+    config = SATURATION if saturation else QUICK if args.quick else FULL
+    if args.quick and saturation:
+        config = replace(config, seeds=(1,), timing=QUICK.timing)
+    if args.only and not saturation:
+        keys = args.only.split(",")
+        unknown = set(keys) - {e.key for e in EXPERIMENTS}
+        if unknown:
+            parser.error(
+                f"--only: unknown {sorted(unknown)}; known: {', '.join(e.key for e in EXPERIMENTS)}, hot-prefix"
+            )
+        config = replace(config, experiments=tuple(e for e in config.experiments if e.key in keys), fair=None)
     if args.fair_only:
         config = replace(config, experiments=(), policies=config.fair_policies)
     if args.time_scale:
         config = replace(config, timing=replace(config.timing, time_scale=args.time_scale))
     wanted = tuple(args.policies.split(",")) if args.policies else config.policies
-    unknown = set(wanted) - set(POLICIES)
+    unknown = set(wanted) - {*POLICIES, CLIENT_HASH}
     if unknown:
         parser.error(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
     policies = runnable_policies(wanted)
@@ -697,6 +907,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="routing-bench-") as tmp:
         doc = uvloop.run(run_config(config, Path(tmp), log))
+    if saturation:  # its own short report: the full report's figures and bars are issue 7's
+        paths = write_outputs(doc, args.out, name, report=False)
+        paths.append(args.out / f"{name}.md")
+        paths[-1].write_text(saturation_report(doc))
+        log(f"done in {doc['meta']['wall_s']:.0f} s; wrote " + ", ".join(str(p) for p in paths))
+        return 0
     # --fair-only has no workloads to report: its JSON is for --fair-from.
     paths = write_outputs(doc, args.out, name, report=not args.fair_only)
     log(f"done in {doc['meta']['wall_s']:.0f} s; wrote " + ", ".join(str(p) for p in paths))
