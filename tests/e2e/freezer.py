@@ -1,6 +1,9 @@
 """SIGSTOP a replica's API server while the streams sent to it are still running.
 
-``python -m tests.e2e.freezer URL ADMIN_KEY REPLICA PID ROUTED TIMEOUT_S``: polls the gateway
+``python -m tests.e2e.freezer URL ADMIN_KEY REPLICA PID ROUTED TIMEOUT_S``: prints ``polling``
+once it reads the gateway (the caller sends its streams only then: a Python process takes
+seconds to start on a loaded machine, and a whole 4,000-token stream of the tiny model was
+seen to end within them), polls the gateway
 until it has made ``ROUTED`` routing decisions in all (the caller's streams are among them)
 and ``REPLICA`` has no streamed request left waiting for its first token; then stops ``PID``
 at once and prints the monotonic time it did (``CLOCK_MONOTONIC``: the caller's clock too) and
@@ -60,11 +63,14 @@ def main(url: str, key: str, replica: str, pid: int, routed: float, timeout_s: f
 
     start = time.monotonic()
     deadline = start + timeout_s
-    while (made := metric_sum(get("/metrics").decode(), ROUTED)) < routed:
+    made = metric_sum(get("/metrics").decode(), ROUTED)
+    print("polling", flush=True)  # the caller sends its streams only now
+    while made < routed:
         if time.monotonic() > deadline:
             print(f"after {timeout_s:g} s: {made:g} of {routed:g} routing decisions", file=sys.stderr)
             return 1
         time.sleep(POLL_S)
+        made = metric_sum(get("/metrics").decode(), ROUTED)
     routed_at = time.monotonic()
 
     def target() -> dict[str, object]:

@@ -354,7 +354,9 @@ async def frozen_mid_stream(
     the gateway has each of them past its first token; (their tags, their tasks, the
     monotonic time of the freeze).
 
-    The freeze comes from a process of its own (``tests/e2e/freezer.py``): the tiny model may
+    The freeze comes from a process of its own (``tests/e2e/freezer.py``), started, and
+    polling, before the streams are sent (one started beside them was seen to begin polling
+    only after both had ended, five rounds running): the tiny model may
     finish 4000 tokens within the seconds this process can take to see the first chunks, or a
     control call to go through, on a busy machine (seen: 7.7 s before the first chunk, 16 s
     for one POST, 11 s before a worker thread ran). A stopped server sends nothing more, so
@@ -373,6 +375,9 @@ async def frozen_mid_stream(
         tags = [f"stream {round_}.{i}" for i in range(N_STREAMS)]
         routed = await fleet.counter(ROUTED)
         freezer = start_freezer(fleet, target, pid, routed + N_STREAMS, bounded(60))
+        assert freezer.stdout is not None
+        ready = await asyncio.wait_for(asyncio.to_thread(freezer.stdout.readline), bounded(60))
+        assert ready.strip() == "polling", f"the freezer did not start: {ready!r}, {freezer.poll()}"
         streams = [asyncio.create_task(finished_at(long_stream(client, tag))) for tag in tags]
         try:
             out, err = await asyncio.to_thread(freezer.communicate, timeout=bounded(60) + 10)
