@@ -17,8 +17,9 @@ from typing import Any
 
 import httpx
 
+from gateway.app import Gateway
 from gateway.settings import hash_key
-from replicas.replica import ReplicaState
+from replicas.replica import Replica, ReplicaState
 from sim.engine import FixedRateConfig, FixedRateEngine
 from sim.lora_api import LORA_KEY, LoraState
 from sim.server import create_app as create_sim_app
@@ -66,8 +67,14 @@ async def chat(http: httpx.AsyncClient, url: str, model: str, stream: bool = Fal
     return await http.post(f"{url}/v1/chat/completions", json=body, headers=AUTH)
 
 
-async def wait_listed(gw: Any, replica_id: str, adapter: str) -> None:
+def replica_of(gw: Gateway, replica_id: str) -> Replica:
     replica = gw.fleet.get(replica_id)
+    assert replica is not None
+    return replica
+
+
+async def wait_listed(gw: Gateway, replica_id: str, adapter: str) -> None:
+    replica = replica_of(gw, replica_id)
     for _ in range(100):
         if adapter in replica.adapters:
             return
@@ -111,7 +118,7 @@ async def test_an_adapter_is_served_only_where_it_is_loaded(tmp_path: Path) -> N
                 assert adapters == {"base-0": ["listed-lora", "sql-lora"], "base-1": []}
 
                 # The only replica serving it goes down: 503, not the other replica.
-                gw.fleet.get("base-0").state = ReplicaState.DRAINING
+                replica_of(gw, "base-0").state = ReplicaState.DRAINING
                 refused = await chat(http, url, "sql-lora")
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "no_healthy_replica"
@@ -122,7 +129,7 @@ async def test_an_unloaded_adapter_is_loaded_once_for_concurrent_requests(tmp_pa
         async with in_process_gateway(config(a, b, tmp_path), tmp_path) as (url, gw, _):
             # base-0 is busy (requests of other gateway pods, as its last scrape said): the load
             # goes to the least loaded replica, base-1.
-            gw.fleet.get("base-0").foreign_requests = 50.0
+            replica_of(gw, "base-0").foreign_requests = 50.0
             async with httpx.AsyncClient(timeout=20) as http:
                 replies = await asyncio.gather(*(chat(http, url, "chat-lora", stream=i % 2 == 1) for i in range(10)))
                 assert [r.status_code for r in replies] == [200] * 10, [r.text for r in replies]
@@ -130,12 +137,12 @@ async def test_an_unloaded_adapter_is_loaded_once_for_concurrent_requests(tmp_pa
                 assert {r.headers["x-fleetgate-replica"] for r in replies} == {"base-1"}
                 assert "chat-lora" in lora_b.modules
                 # Later requests find it loaded; the next listing agrees.
-                gw.fleet.get("base-0").foreign_requests = 0.0
+                replica_of(gw, "base-0").foreign_requests = 0.0
                 await asyncio.sleep(0.5)
                 again = await asyncio.gather(*(chat(http, url, "chat-lora") for _ in range(6)))
                 assert {r.headers["x-fleetgate-replica"] for r in again} == {"base-1"}
                 assert lora_b.loads == 1
-                assert gw.fleet.get("base-1").adapters == {"chat-lora"}
+                assert replica_of(gw, "base-1").adapters == {"chat-lora"}
 
 
 async def test_a_failed_load_is_a_clear_error_held_briefly(tmp_path: Path) -> None:
@@ -241,5 +248,5 @@ async def test_a_managed_simulator_takes_vllms_lora_flags(tmp_path: Path) -> Non
         late = await chat(http, url, "late-lora")
         assert late.status_code == 200 and late.json()["model"] == "late-lora"
         await asyncio.sleep(0.5)
-        replica_models = (await http.get(f"{gw.fleet.get('base-0').base_url}/v1/models")).json()["data"]
+        replica_models = (await http.get(f"{replica_of(gw, 'base-0').base_url}/v1/models")).json()["data"]
         assert {m["id"]: m["parent"] for m in replica_models} == {BASE: None, "boot-lora": BASE, "late-lora": BASE}
