@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from replicas.replica import ProbeKind
+from replicas.replica import DEFAULT_STALL_AFTER_S, ProbeKind
 
 # Header names a replica source's `headers` cannot set: the gateway writes these itself.
 _GATEWAY_HEADERS = frozenset(
@@ -33,6 +33,9 @@ class HealthSettings(_Frozen):
     # A probe timeout does not count against a replica that sent bytes on one of this
     # gateway's in-flight requests within this long (busy, not dead).
     progress_window_s: float = Field(10.0, gt=0)
+    # A replica whose streams from this gateway have all gone this long without a byte is
+    # stalled (``Replica.stalled``): shown in /admin/fleet and the metrics, and avoided by routing.
+    stall_after_s: float = Field(DEFAULT_STALL_AFTER_S, gt=0)
     # How often each replica's LoRA adapters are read from its /v1/models (on a probe that
     # passes; also whenever one that was out of rotation passes). None: never.
     adapters_interval_s: float | None = Field(5.0, gt=0)

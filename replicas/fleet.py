@@ -153,6 +153,7 @@ class Fleet:
             probe=up.probe,
             scrape_metrics=up.metrics,
             upstream_headers=up.headers,
+            stall_after_s=self._health_settings.stall_after_s,
         )
 
     def _build(self, model: ModelReplicas) -> list[Replica]:

@@ -314,7 +314,29 @@ class HealthChecker:
                 self._on_down(replica)
 
     async def run(self, replicas: Callable[[], Iterable[Replica]]) -> None:
-        """Probe all replicas (the current set, each round) concurrently, until cancelled."""
+        """Probe all replicas (the current set, each round) concurrently, until cancelled;
+        after each round, note the stall episodes that began or ended (``watch_stalls``)."""
         while True:
             await asyncio.gather(*(self.probe(r) for r in replicas() if r.probe != "none"))
+            watch_stalls(replicas(), self._clock())
             await asyncio.sleep(self._interval)
+
+
+def watch_stalls(replicas: Iterable[Replica], now: float) -> None:
+    """Log each stall episode as it begins and ends (``Replica.track_stall`` counts them):
+    what an operator reads beside ``fleetgate_replica_stalled`` to see how long a replica's
+    engine went silent while it held streams."""
+    for replica in replicas:
+        since = replica.stalled_since
+        change = replica.track_stall(now)
+        if change == "began":
+            log.warning(
+                "replica stalled: its streams receive nothing",
+                extra={"replica": replica.id, "streams": replica.streams, "waiting": replica.gauges.get(GAUGE_WAITING)},
+            )
+        elif change == "ended":
+            assert since is not None
+            log.info(
+                "replica no longer stalled",
+                extra={"replica": replica.id, "stalled_s": round(now - since + replica.stall_after_s, 1)},
+            )

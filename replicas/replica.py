@@ -38,6 +38,15 @@ GAUGE_KV_CAPACITY_TOKENS = "kv_capacity_tokens"
 ProbeKind = Literal["health", "models", "none"]
 PROBE_PATHS: dict[str, str] = {"health": "/health", "models": "/v1/models"}
 
+# How long every stream of this gateway on a replica may go without a byte before the replica
+# counts as stalled (``Replica.stalled``; ``health.stall_after_s``). A healthy engine sends a
+# token every few tens of milliseconds per stream, and even a step that prefills a full chunk
+# (8,192 tokens) beside its decodes takes well under a second on a GPU: five seconds of
+# silence on all of them is not load. It is short beside the stalls seen when two CPU engines
+# share a core (10-75 s), so routing can spill new requests in the first seconds of one, and
+# far below the chunk gap (30 s), so the spill starts long before any stream could be cut.
+DEFAULT_STALL_AFTER_S = 5.0
+
 # The statuses a last probe's reason names one by one: each points at a setting to fix (the
 # key, the probe's path). Any other status is named by its class, so the label set is bounded.
 _NAMED_STATUSES = frozenset({401, 403, 404})
@@ -127,6 +136,15 @@ class Replica:
     excused_probe_timeouts: int = 0
     # The last active probe (None: not probed yet); /admin/fleet and the metrics say why from it.
     last_probe: ProbeResult | None = None
+    # Stall detection (``stalled``): this gateway's streams in flight on the replica, since
+    # when it has held any (gateway clock), and how long all of them may go without a byte.
+    streams: int = 0
+    streams_since: float | None = None
+    stall_after_s: float = DEFAULT_STALL_AFTER_S
+    # The stall episode under way as the health loop saw it begin (``track_stall``), and
+    # how many began since start.
+    stalled_since: float | None = None
+    stall_episodes: int = 0
 
     def observe(self, gauges: dict[str, float]) -> None:
         """Take a scrape of the replica's /metrics.
@@ -160,6 +178,62 @@ class Replica:
         """Healthy, and its breaker would let a request through (closed, or the trial is free)."""
         return self.state is ReplicaState.HEALTHY and self.breaker.ready(now)
 
+    def stalled(self, now: float) -> bool:
+        """Whether the replica holds streams of this gateway of which none has received a
+        byte (a first token or a chunk) for ``stall_after_s``, as of ``now`` (gateway clock).
+
+        A stalled replica is alive but not producing: its engine is stuck (starved of CPU,
+        a long step, a hung collective), so a new request sent there waits behind it
+        however short its own work. A routing policy should prefer another replica while
+        this is true (the prefix's next one) and come back when it turns false, which it
+        does at the first byte any of the replica's streams receives. It says nothing
+        about cutting streams: those are the proxy's (``alive``).
+
+        Measured on streams only: a non-streamed answer shows no progress until it is
+        whole, so a replica holding only non-streamed requests is never judged stalled.
+        The clock starts at the later of the last byte and the moment the replica went
+        from no streams to some, so an idle replica's old progress does not count against
+        its next request. Pure: reads the counters the claims and the proxy keep.
+        """
+        if not self.streams:
+            return False
+        since = self.streams_since
+        last = self.last_progress_at
+        if last is not None and (since is None or last > since):
+            since = last
+        return since is not None and now - since >= self.stall_after_s
+
+    def track_stall(self, now: float) -> Literal["began", "ended"] | None:
+        """Note, once per look (the health loop's round), whether a stall episode began or
+        ended since the last look; counts the episodes for the metrics."""
+        stalled = self.stalled(now)
+        if stalled and self.stalled_since is None:
+            self.stalled_since = now
+            self.stall_episodes += 1
+            return "began"
+        if not stalled and self.stalled_since is not None:
+            self.stalled_since = None
+            return "ended"
+        return None
+
+    def alive(self) -> bool:
+        """Whether the health checks vouch that the replica is up, however silent its streams.
+
+        In rotation (healthy: its probes pass, or time out only while it still sends
+        bytes), or draining while its last probe did not fail outright (draining replicas
+        are probed but never taken down). A replica not probed at all (``probe: none``)
+        has no such witness. The proxy keeps a silent stream open past the chunk gap only
+        on a replica that is alive (``gateway.proxy``).
+        """
+        if self.probe == "none":
+            return False
+        if self.state is ReplicaState.HEALTHY:
+            return True
+        if self.state is ReplicaState.DRAINING:
+            probe = self.last_probe
+            return probe is None or probe.status == 200 or probe.error in ("timeout", "late")
+        return False
+
     def snapshot(self, now: float) -> dict[str, object]:
         return {
             "id": self.id,
@@ -182,6 +256,8 @@ class Replica:
             "last_probe": self.last_probe.snapshot() if self.last_probe is not None else None,
             "excused_probe_timeouts": self.excused_probe_timeouts,
             "adapters": sorted(self.adapters),
+            "stalled": self.stalled(now),
+            "stall_episodes": self.stall_episodes,
             "gauges": dict(self.gauges),
         }
 
@@ -194,7 +270,8 @@ class Claim:
     pays off the prompt, each further token one completion token, and ``release`` returns
     whatever is left (finished early, failed or cancelled).
 
-    A streamed request (``streamed``) also counts in the replica's prefill backlog
+    A streamed request (``streamed``) counts in the replica's streams (``Replica.stalled``
+    watches them) until ``release``, and in the replica's prefill backlog
     (``prefill_requests`` / ``prefill_tokens``) until its first token arrives. A non-streamed
     response shows no first token, so it is not counted there. ``on_prefilled`` is called
     once, when the prefill is over: at the first token, or at ``release`` if none came (the
@@ -212,6 +289,7 @@ class Claim:
         "_prefilling",
         "_prompt_left",
         "_released",
+        "_streamed",
         "_trial",
         "replica",
     )
@@ -233,13 +311,16 @@ class Claim:
         self._prompt_left = prompt
         self._completion_left = completion
         self._released = False
-        self._prefilling = streamed
+        self._prefilling = self._streamed = streamed
         self._on_prefilled = on_prefilled
         replica.outstanding_requests += 1
         replica.outstanding_tokens += prompt + completion
         if streamed:
             replica.prefill_requests += 1
             replica.prefill_tokens += prompt
+            if not replica.streams:
+                replica.streams_since = now
+            replica.streams += 1
 
     def prefilled(self) -> None:
         self._end_prefill()
@@ -259,6 +340,8 @@ class Claim:
         if self._trial is not None:
             self.replica.breaker.abandon_trial(self._trial)  # a no-op once its outcome is recorded
         self._end_prefill()
+        if self._streamed:
+            self.replica.streams -= 1
         self.replica.outstanding_tokens -= self._prompt_left + self._completion_left
         self.replica.outstanding_requests -= 1
         self._prompt_left = self._completion_left = 0
