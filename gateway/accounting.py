@@ -91,6 +91,9 @@ class Accounting:
         }
         if ex.error_code:
             entry["error"] = ex.error_code
+        if ex.cut is not None:
+            entry["cut"] = ex.cut
+            m.series(m.stream_cuts, model_label, ex.cut).inc()
         if ex.parsed:
             entry["stream"] = ex.call.stream
             entry["attempts"] = ex.attempts

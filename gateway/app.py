@@ -50,7 +50,7 @@ from gateway.metrics import FleetCollector, GatewayMetrics, QuotaCollector, watc
 from gateway.proxy import Proxy
 from gateway.reload import ConfigWatcher
 from gateway.responses_state import ResponseState
-from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings
+from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings, chunk_gaps
 from gateway.spans import RequestSpans, Timeline
 from gateway.stages import CONTINUE, Reply, Stages
 from gateway.tracing import start_trace
@@ -87,7 +87,7 @@ class Gateway:
         self.clock = clock
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(access_stream, enabled=settings.server.access_log)
-        self.proxy = Proxy(settings.upstream, self.metrics, clock)
+        self.proxy = Proxy(settings.upstream, self.metrics, clock, chunk_gaps=chunk_gaps(settings))
         try:
             self.fleet = Fleet(
                 settings.models,
@@ -272,6 +272,8 @@ class Gateway:
     def _client_left(self, ex: Exchange) -> None:
         if ex.model is not None:
             self.metrics.client_disconnects.labels(ex.model).inc()
+        if ex.response is not None and ex.cut is None:
+            ex.cut = "client_gone"  # a stream under way (its status already sent)
         ex.status, ex.error_code = CLIENT_CLOSED, "client_closed"
 
     # -- other endpoints --------------------------------------------------------------------

@@ -161,6 +161,9 @@ class Exchange:
     cut_at_deadline: bool = False
     # Why attempts stopped early: "deadline" or "retry_budget".
     stop: str | None = None
+    # Why a stream under way ended before its replica finished it (``gateway.proxy``, CUT_*;
+    # "client_gone" when its client left): the access line's ``cut`` and fleetgate_stream_cuts_total.
+    cut: str | None = None
     # W3C trace context, forwarded to the replica as its parent.
     trace: TraceContext | None = None
     # Stage and attempt times for OpenTelemetry spans (None: tracing off).

@@ -162,6 +162,13 @@ class GatewayMetrics(MetricSet):
             ["model"],
             registry=r,
         )
+        self.stream_cuts = Counter(
+            "fleetgate_stream_cuts",
+            "Streams under way that ended before their replica finished them, by why: chunk_gap, "
+            "replica_down, stall_timeout, deadline, upstream_closed, malformed, cancelled, client_gone.",
+            ["model", "reason"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "fleetgate_client_disconnects",
             "Requests whose client left before the end.",
@@ -233,6 +240,14 @@ class FleetCollector(Collector):
         vllm = GaugeMetricFamily(
             "fleetgate_replica_vllm", "Last value scraped from the replica's /metrics.", labels=["replica", "metric"]
         )
+        stalled = GaugeMetricFamily(
+            "fleetgate_replica_stalled",
+            "1 while the replica holds streams of this gateway none of which received a byte for health.stall_after_s.",
+            labels=["replica"],
+        )
+        stalls = CounterMetricFamily(
+            "fleetgate_replica_stall_episodes", "Stall episodes seen begin, per replica.", labels=["replica"]
+        )
         last_probe = GaugeMetricFamily(
             "fleetgate_replica_last_probe",
             "1 for how the replica's last probe went (why it is down): ok, http_401, http_403, http_404, "
@@ -247,11 +262,13 @@ class FleetCollector(Collector):
             breaker.add_metric([r.id], 0.0 if r.breaker.ready(now) else 1.0)
             restarts.add_metric([r.id], r.restarts)
             probes.add_metric([r.id], r.probe_failures)
+            stalled.add_metric([r.id], 1.0 if r.stalled(now) else 0.0)
+            stalls.add_metric([r.id], r.stall_episodes)
             for name, value in r.gauges.items():
                 vllm.add_metric([r.id, name.removeprefix("vllm:")], value)
             if r.last_probe is not None:
                 last_probe.add_metric([r.id, r.last_probe.reason], 1.0)
-        yield from (healthy, state, tokens, requests, breaker, restarts, probes, vllm, last_probe)
+        yield from (healthy, state, tokens, requests, breaker, restarts, probes, vllm, last_probe, stalled, stalls)
         if self._models is not None:
             # Per model, zero included: a model whose discovery found no pod has no replica series.
             routable = GaugeMetricFamily(

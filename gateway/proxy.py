@@ -10,13 +10,23 @@ has not passed (then 504). Once a data event has been written, the client owns t
 stream: a later failure ends it with an SSE error event, never silently.
 
 Timeouts: ``connect_timeout_s`` to open a connection, ``first_byte_timeout_s`` until the
-first token (or the whole response when not streaming, bounded by ``request_timeout_s``),
-``chunk_gap_timeout_s`` between two chunks of a stream. While a streaming client waits for
-its first token, an SSE comment is sent every ``keepalive_interval_s``. A deadline the client
-set (``x-fleetgate-timeout-ms``) cuts the attempt in flight, stops further attempts, and
-ends a stream already under way with a ``deadline_exceeded`` error event. When health
-checks take a replica out of rotation, the requests still waiting on it for an answer are
-retried elsewhere at once (``Proxy.abandon``).
+first token (or the whole response when not streaming, bounded by ``request_timeout_s``).
+While a streaming client waits for its first token, an SSE comment is sent every
+``keepalive_interval_s``. A deadline the client set (``x-fleetgate-timeout-ms``) cuts the
+attempt in flight, stops further attempts, and ends a stream already under way with a
+``deadline_exceeded`` error event. When health checks take a replica out of rotation, the
+requests still waiting on it for an answer are retried elsewhere at once (``Proxy.abandon``).
+
+A stream under way that goes silent is cut after its model's chunk gap
+(``models[].chunk_gap_timeout_s``, else ``upstream.chunk_gap_timeout_s``) only if nothing
+vouches for its replica (``Replica.alive``: taken down by its probes, failed, restarted,
+or never probed). A replica the health checks still hold alive is merely slow: an engine
+stalled for a while (two CPU engines on one core went silent 10-75 s at a time) finishes
+its streams afterwards, and a cut there throws away an answer the client would have had.
+Such a stream waits, up to ``upstream.stall_timeout_s`` of silence (the bound for an
+engine hung for good behind a ``/health`` that still answers), or the client's deadline.
+Every cut is recorded with its reason (``CUT_*``): the access line's ``cut`` and
+``fleetgate_stream_cuts_total``.
 """
 
 from __future__ import annotations
@@ -25,8 +35,8 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, TypeVar
 
 import aiohttp
 import orjson
@@ -38,7 +48,7 @@ from dialects.stream import SseError, SseScanner
 from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
 from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange, Picker
 from gateway.metrics import GatewayMetrics
-from gateway.progress_timeout import ProgressTimeout
+from gateway.progress_timeout import DEADLINE, LIMIT, ProgressTimeout
 from gateway.settings import UpstreamSettings
 from gateway.upstream import (
     ConnectTimeout,
@@ -53,6 +63,26 @@ from routing.router import EXHAUSTED, NO_REPLICA
 
 KEEPALIVE = b": keep-alive\n\n"
 CANCELLED = "The response was cancelled (POST /v1/responses/{id}/cancel)."
+
+# Why a stream under way ended before its replica finished it (``Exchange.cut``); the
+# gateway adds "client_gone" when the client leaves. Silent past the chunk gap, on a replica
+# never probed (nothing says it is alive):
+CUT_CHUNK_GAP: Final = "chunk_gap"
+# ... on a replica the health checks no longer hold alive (down, failed, restarted):
+CUT_REPLICA_DOWN: Final = "replica_down"
+# Silent for upstream.stall_timeout_s, though its replica still looked alive:
+CUT_STALL_TIMEOUT: Final = "stall_timeout"
+# The client's own deadline (x-fleetgate-timeout-ms) passed:
+CUT_DEADLINE: Final = "deadline"
+# The replica closed or broke the connection, or ended the stream unfinished:
+CUT_UPSTREAM_CLOSED: Final = "upstream_closed"
+# The replica's stream could not be read as its API's events:
+CUT_MALFORMED: Final = "malformed"
+# The client cancelled it (POST /v1/responses/{id}/cancel):
+CUT_CANCELLED: Final = "cancelled"
+# While a silent stream's replica is vouched alive, how often to ask again: a health round
+# (1 s by default), so a replica the probes take down cuts its silent streams within one.
+ALIVE_RECHECK_S = 1.0
 
 log = logging.getLogger("fleetgate.proxy")
 
@@ -71,10 +101,19 @@ class UpstreamFailure(Exception):
 class Proxy:
     """Owns the pooled keep-alive connections to every replica (``gateway.upstream``)."""
 
-    def __init__(self, settings: UpstreamSettings, metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        settings: UpstreamSettings,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+        *,
+        chunk_gaps: Mapping[str, float] | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
+        # Model name -> its chunk gap (``gateway.settings.chunk_gaps``); others: the upstream's.
+        self._chunk_gaps = dict(chunk_gaps or {})
         self._client: UpstreamClient | None = None
 
     async def __aenter__(self) -> Proxy:
@@ -99,7 +138,7 @@ class Proxy:
         answer (a whole one, or a stream's first chunk) are failed now and retried on
         another replica, instead of waiting out ``request_timeout_s`` or
         ``first_byte_timeout_s`` on a replica that stopped answering. Streams already under
-        way are left to the chunk-gap timeout."""
+        way are left to the chunk gap, which no longer finds the replica alive."""
         if self._client is None:
             return
         failed = self._client.abandon_waiting(replica.base_url, "health checks took the replica out of rotation")
@@ -377,13 +416,17 @@ class Proxy:
         last = now
         await self._write(ex, scanner, upstream, response, out)
         loop = asyncio.get_running_loop()
-        gap = self.settings.chunk_gap_timeout_s
+        replica = claim.replica
+        gap = self._chunk_gaps.get(replica.model, self.settings.chunk_gap_timeout_s)
+        limit = self.settings.stall_timeout_s
         # The client's own deadline bounds the whole stream, not only its first token.
         cut_at = math.inf
         if ex.cut_at_deadline and ex.deadline is not None:
             cut_at = loop.time() + (ex.deadline - clock())
         try:
-            async with ProgressTimeout(gap, cut_at) as deadline:
+            async with ProgressTimeout(
+                gap, cut_at, alive=replica.alive, limit_s=limit, recheck_s=ALIVE_RECHECK_S
+            ) as deadline:
                 while not scanner.done:
                     chunk = await upstream.readany()
                     if not chunk:
@@ -399,25 +442,30 @@ class Proxy:
                         claim.generated(n)
                     await self._write(ex, scanner, upstream, response, out)
         except TimeoutError:
-            if deadline.cut:
-                ex.stop, ex.error_code = "deadline", "deadline_exceeded"
+            if deadline.reason == DEADLINE:
+                ex.stop, ex.error_code, ex.cut = "deadline", "deadline_exceeded", CUT_DEADLINE
                 cut = GatewayTimeout("The request's deadline passed; the stream was cut.", code="deadline_exceeded")
                 await _end_with_error(ex, response, cut)
+            elif deadline.reason == LIMIT:
+                message = f"The replica sent nothing for {limit:g} s (upstream.stall_timeout_s); the stream was cut."
+                await self._broken(ex, response, message, CUT_STALL_TIMEOUT)
             else:
-                await self._broken(ex, response, f"The replica sent nothing for {gap:g} s; the stream was cut.")
+                why = CUT_CHUNK_GAP if replica.probe == "none" else CUT_REPLICA_DOWN
+                message = f"The replica sent nothing for {gap:g} s; the stream was cut."
+                await self._broken(ex, response, message, why)
         except UpstreamError:
             if ex.stop == "cancelled":  # the client's own cancel: no fault of the replica's
-                ex.error_code = "response_cancelled"
+                ex.error_code, ex.cut = "response_cancelled", CUT_CANCELLED
                 await _end_with_error(ex, response, GatewayError(CANCELLED, code="response_cancelled"))
             else:
-                await self._broken(ex, response, "The replica's connection broke mid-stream.")
+                await self._broken(ex, response, "The replica's connection broke mid-stream.", CUT_UPSTREAM_CLOSED)
         except SseError as exc:
-            await self._broken(ex, response, f"The replica's stream was cut: {exc}.")
+            await self._broken(ex, response, f"The replica's stream was cut: {exc}.", CUT_MALFORMED)
         else:
             if tail := scanner.finish():
                 await response.write(tail)
             if not scanner.done:
-                await self._broken(ex, response, "The replica ended the stream early.")
+                await self._broken(ex, response, "The replica ended the stream early.", CUT_UPSTREAM_CLOSED)
         finally:
             if ex.untrack is not None:
                 ex.untrack()
@@ -459,11 +507,18 @@ class Proxy:
         ex.error_code = refused.code
         return ex.dialect.errors.event(refused.message, refused.code or "upstream_error", refused.type)
 
-    async def _broken(self, ex: Exchange, response: web.StreamResponse, message: str) -> None:
+    async def _broken(self, ex: Exchange, response: web.StreamResponse, message: str, why: str) -> None:
+        """End a stream the replica failed (``why``: its CUT_* reason) with an error event."""
         assert ex.replica is not None
         self._failed(ex.replica, UpstreamFailure("stream", message))
         self.metrics.stream_errors.labels(ex.call.model).inc()
-        ex.error_code = "upstream_stream_error"
+        ex.error_code, ex.cut = "upstream_stream_error", why
+        if why in (CUT_CHUNK_GAP, CUT_REPLICA_DOWN, CUT_STALL_TIMEOUT):
+            replica = ex.replica
+            log.warning(
+                "silent stream cut",
+                extra={"request_id": ex.request_id, "replica": replica.id, "cut": why, "state": replica.state.value},
+            )
         await _end_with_error(ex, response, BadGateway(message, code="upstream_stream_error"))
 
 

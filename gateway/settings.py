@@ -123,8 +123,13 @@ class UpstreamSettings(_Frozen):
     connect_timeout_s: float = Field(2.0, gt=0)
     # Until the first token (prefill under load can be slow).
     first_byte_timeout_s: float = Field(120.0, gt=0)
-    # Longest silence allowed between two chunks of a stream.
+    # Silence between two chunks of a stream past which it is cut, unless the health checks
+    # vouch for its replica (``Replica.alive``): then it waits, up to ``stall_timeout_s``.
+    # A model may set its own (``models[].chunk_gap_timeout_s``).
     chunk_gap_timeout_s: float = Field(30.0, gt=0)
+    # The longest silence any stream is given, however alive its replica looks: nothing
+    # waits forever on an engine that is hung for good behind a /health that still answers.
+    stall_timeout_s: float = Field(300.0, gt=0)
     # Whole non-streaming request.
     request_timeout_s: float = Field(600.0, gt=0)
     # Largest non-streamed answer read from a replica (it is held whole in memory); a larger
@@ -168,6 +173,8 @@ class ModelSettings(_Frozen):
     # LoRA adapters of this model: requests naming one go to the replicas that serve it;
     # one with a path is loaded on a replica when none does (routing.adapters, gateway.lora).
     adapters: list[AdapterSettings] = []
+    # This model's chunk gap (upstream.chunk_gap_timeout_s when unset).
+    chunk_gap_timeout_s: float | None = Field(None, gt=0)
 
 
 class ApiKeySettings(_Frozen):
@@ -278,6 +285,7 @@ class Settings(BaseSettings):
             raise ValueError("tenants: duplicate tenant id")
         _check_routing_refs(self)
         _check_adapters(self)
+        _check_stream_timeouts(self)
         unknown = sorted(set(self.autoscaling.per_model) - set(names))
         if unknown:
             raise ValueError(f"autoscaling.per_model: {unknown} are not configured models")
@@ -323,6 +331,22 @@ def _check_routing_refs(settings: Settings) -> None:
             unknown = sorted(set(tenant.allow_force_tier) - tiers)
             if unknown:
                 raise ValueError(f"tenants.{i}.allow_force_tier: {unknown} are not routing tiers")
+
+
+def _check_stream_timeouts(settings: Settings) -> None:
+    """A chunk gap past the stall timeout would never apply: the longer wait would cut first."""
+    limit = settings.upstream.stall_timeout_s
+    if settings.upstream.chunk_gap_timeout_s > limit:
+        raise ValueError(f"upstream.chunk_gap_timeout_s: more than upstream.stall_timeout_s ({limit:g})")
+    for i, model in enumerate(settings.models):
+        if model.chunk_gap_timeout_s is not None and model.chunk_gap_timeout_s > limit:
+            raise ValueError(f"models.{i}.chunk_gap_timeout_s: more than upstream.stall_timeout_s ({limit:g})")
+
+
+def chunk_gaps(settings: Settings) -> dict[str, float]:
+    """Each model's chunk gap: its own, else ``upstream.chunk_gap_timeout_s``."""
+    default = settings.upstream.chunk_gap_timeout_s
+    return {m.name: m.chunk_gap_timeout_s or default for m in settings.models}
 
 
 def _check_adapters(settings: Settings) -> None:

@@ -112,9 +112,12 @@ async def test_an_event_that_never_ends_is_cut_with_error(tmp_path: Path) -> Non
 
 
 async def test_stall_between_chunks_is_cut_with_error(tmp_path: Path) -> None:
+    """Silent past the chunk gap on a replica nothing vouches for (not probed): cut there."""
     bad = FaultyUpstream(MODEL, "stall_mid", delay=5.0)
     async with serve_app(bad.app()) as bad_url:
-        async with in_process_gateway(config(bad_url, chunk_gap_timeout_s=0.3), tmp_path) as (url, _, _):
+        cfg = config(bad_url, chunk_gap_timeout_s=0.3)
+        cfg["models"] = [{"name": MODEL, "replicas": [{"url": bad_url, "probe": "none"}]}]
+        async with in_process_gateway(cfg, tmp_path) as (url, gw, access):
             loop = asyncio.get_running_loop()
             started = loop.time()
             stream = await client(url).chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
@@ -122,6 +125,40 @@ async def test_stall_between_chunks_is_cut_with_error(tmp_path: Path) -> None:
                 async for _ in stream:
                     pass
             assert loop.time() - started < 3.0
+            await asyncio.sleep(0.1)
+            assert access_lines(access)[-1]["cut"] == "chunk_gap"
+            assert gw.metrics.sample("fleetgate_stream_cuts_total", model=MODEL, reason="chunk_gap") == 1
+
+
+async def test_silence_on_a_replica_its_probes_vouch_for_waits_up_to_the_stall_timeout(tmp_path: Path) -> None:
+    """The same silence on a replica whose /health answers: not cut at the gap (merely
+    slow), but at ``stall_timeout_s``, the bound on any silence."""
+    bad = FaultyUpstream(MODEL, "stall_mid", delay=5.0)
+    async with serve_app(bad.app()) as bad_url:
+        cfg = config(bad_url, chunk_gap_timeout_s=0.3, stall_timeout_s=1.0)
+        async with in_process_gateway(cfg, tmp_path) as (url, gw, access):
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            stream = await client(url).chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+            with pytest.raises(openai.APIError, match="stall_timeout_s"):
+                async for _ in stream:
+                    pass
+            assert 1.0 <= loop.time() - started < 3.0
+            await asyncio.sleep(0.1)
+            assert access_lines(access)[-1]["cut"] == "stall_timeout"
+            assert gw.metrics.sample("fleetgate_stream_cuts_total", model=MODEL, reason="stall_timeout") == 1
+
+
+async def test_a_silence_shorter_than_the_stall_timeout_is_waited_out(tmp_path: Path) -> None:
+    """Silent for three chunk gaps on a replica its probes vouch for, then the rest: whole."""
+    slow = FaultyUpstream(MODEL, "stall_mid", delay=1.0)
+    async with serve_app(slow.app()) as slow_url:
+        async with in_process_gateway(config(slow_url, chunk_gap_timeout_s=0.3), tmp_path) as (url, gw, access):
+            stream = await client(url).chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+            assert [c.choices[0].delta.content async for c in stream] == ["one"]
+            await asyncio.sleep(0.1)
+            assert "cut" not in access_lines(access)[-1]
+            assert gw.metrics.sample("fleetgate_stream_cuts_total", model=MODEL, reason="stall_timeout") == 0
 
 
 async def test_keepalive_comments_while_waiting_for_first_token(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.progress_timeout import ProgressTimeout
+from gateway.progress_timeout import DEADLINE, GAP, LIMIT, ProgressTimeout
 
 
 def test_progress_keeps_a_stream_alive_past_the_gap() -> None:
@@ -104,3 +104,60 @@ def test_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
             await task
 
     asyncio.run(main())
+
+
+def test_a_sender_vouched_alive_is_waited_for_past_the_gap() -> None:
+    """Silent for 4 gaps, the sender alive throughout, then progress: no timeout."""
+
+    async def main() -> bool:
+        async with ProgressTimeout(0.02, alive=lambda: True, limit_s=1.0, recheck_s=0.01) as timeout:
+            await asyncio.sleep(0.08)
+            timeout.progressed()
+        return timeout.expired
+
+    assert asyncio.run(main()) is False
+
+
+def test_the_gap_cuts_within_a_recheck_once_the_sender_is_no_longer_alive() -> None:
+    async def main() -> tuple[str | None, float]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        alive = True
+        timeout = ProgressTimeout(0.02, alive=lambda: alive, limit_s=10.0, recheck_s=0.02)
+        with pytest.raises(TimeoutError):
+            async with timeout:
+                await asyncio.sleep(0.1)
+                alive = False  # its probes took it down
+                await asyncio.sleep(10)
+        return timeout.reason, loop.time() - started
+
+    reason, took = asyncio.run(main())
+    assert reason == GAP
+    assert 0.1 <= took < 0.5
+
+
+def test_the_limit_bounds_silence_however_alive_the_sender_looks() -> None:
+    async def main() -> tuple[ProgressTimeout, float]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        timeout = ProgressTimeout(0.02, alive=lambda: True, limit_s=0.1, recheck_s=0.03)
+        with pytest.raises(TimeoutError):
+            async with timeout:
+                await asyncio.sleep(10)
+        return timeout, loop.time() - started
+
+    timeout, took = asyncio.run(main())
+    assert timeout.reason == LIMIT and not timeout.cut
+    assert 0.1 <= took < 0.5
+
+
+def test_the_deadline_cuts_an_alive_senders_silence_too() -> None:
+    async def main() -> str | None:
+        loop = asyncio.get_running_loop()
+        timeout = ProgressTimeout(0.02, loop.time() + 0.07, alive=lambda: True, limit_s=10.0, recheck_s=0.05)
+        with pytest.raises(TimeoutError):
+            async with timeout:
+                await asyncio.sleep(10)
+        return timeout.reason
+
+    assert asyncio.run(main()) == DEADLINE

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.settings import ConfigError, load_settings, settings_digest
+from gateway.settings import ConfigError, chunk_gaps, load_settings, settings_digest
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -62,6 +62,8 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
         ("redis_url: 'redis+cluster://a:7000/1'\n", "redis_url"),
         ("redis_url: 'mysql://a'\n", "redis_url"),
         ("redis: {password_env: A, password_file: /b}\n", "redis"),
+        ("models: [{name: a, replicas: [{engine: sim}], chunk_gap_timeout_s: 400}]\n", "models.0.chunk_gap_timeout_s"),
+        ("upstream: {chunk_gap_timeout_s: 60, stall_timeout_s: 30}\n", "upstream.chunk_gap_timeout_s"),
     ],
 )
 def test_invalid_config_names_the_key(tmp_path: Path, text: str, where: str) -> None:
@@ -108,3 +110,15 @@ def test_redis_schemes_and_their_shared_settings(tmp_path: Path) -> None:
     settings = load_settings(write(tmp_path, text))
     assert settings.redis.resolve({"REDIS_PW": "pw"}).password == "pw"
     assert settings_digest(settings)["redis"] == "sentinel"
+
+
+def test_a_models_chunk_gap_falls_back_to_the_upstreams(tmp_path: Path) -> None:
+    text = """
+upstream: {chunk_gap_timeout_s: 20}
+models:
+  - {name: slow, replicas: [{engine: sim}], chunk_gap_timeout_s: 90}
+  - {name: plain, replicas: [{engine: sim}]}
+"""
+    settings = load_settings(write(tmp_path, text))
+    assert chunk_gaps(settings) == {"slow": 90.0, "plain": 20.0}
+    assert settings.upstream.stall_timeout_s == 300.0  # the default bound on any silence
