@@ -26,11 +26,15 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from replicas.replica import GAUGE_RUNNING, GAUGE_WAITING
 from sim.engine import SimRequest, SimStream
 from sim.model import EngineModel, TokenEvent, prompt_token_ids
 from sim.profiles import SimProfile, get_profile
+
+if TYPE_CHECKING:
+    from sim.freeze import Freeze
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +130,8 @@ class BatchedSimEngine:
         self.steps_run = 0
         self.step_cpu_s = 0.0
         self.max_lag_s = 0.0
+        # While frozen (``sim.freeze``: a stalled engine on cue) no step runs.
+        self.freeze: Freeze | None = None
 
     @classmethod
     def from_profile(
@@ -221,6 +227,10 @@ class BatchedSimEngine:
         deadline = loop.time()
         try:
             while True:
+                if self.freeze is not None and self.freeze.frozen:
+                    await self.freeze.wait()
+                    deadline = loop.time()
+                    continue
                 if not self.model.has_work:
                     self._reported = (0, 0)  # an abort during the last step left it stale
                     self._wake.clear()

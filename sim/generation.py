@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from sim.engine import CHARS_PER_TOKEN, SimRequest, SimStream
+from sim.freeze import FREEZE_KEY, FrozenStream
 from sim.lora_api import served_name
 from sim.wire import ENGINE_KEY, SSE_HEADERS, Rejection, invalid, json_response, read_body
 
@@ -114,10 +115,13 @@ async def serve(request: web.Request, api: GenerationApi) -> web.StreamResponse:
     pieces = generation.tool_call.pieces if generation.tool_call is not None else None
     max_tokens = generation.max_tokens if pieces is None else min(generation.max_tokens, len(pieces))
     request_ = SimRequest(request_id=rid, prompt=generation.prompt, max_tokens=max_tokens, seed=generation.seed)
+    freeze = request.app[FREEZE_KEY]
+    await freeze.admit()  # a frozen replica answers nothing until it thaws
     try:
-        tokens = request.app[ENGINE_KEY].submit(request_)
+        tokens: SimStream = request.app[ENGINE_KEY].submit(request_)
     except ValueError as exc:  # the prompt does not fit the context window
         return api.error(Rejection(400, str(exc)))
+    tokens = FrozenStream(tokens, freeze)
     if pieces is not None:
         tokens = ToolCallStream(tokens, pieces)
     call = Call(rid, int(time.time()), served, body, generation, tokens)

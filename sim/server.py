@@ -4,6 +4,7 @@ It serves what the gateway and its tests use of vLLM's HTTP API, byte-compatible
 
     GET  /health, /v1/models, /metrics (vLLM's metric names); POST /reset_prefix_cache
     POST /v1/load_lora_adapter                    LoRA adapters as vLLM serves them (``sim.lora_api``)
+    POST /sim/freeze                              not vLLM's: a stalled engine on cue (``sim.freeze``)
     POST /v1/chat/completions, /v1/completions    streamed (``stream_options.include_usage``) or whole
     POST /v1/responses                            OpenAI's Responses API (``sim.responses_api``)
     POST /v1/messages, /v1/messages/count_tokens  Anthropic's Messages API (``sim.messages_api``)
@@ -29,6 +30,7 @@ from aiohttp import web
 
 from sim import messages_api, pooling_api, responses_api, tokenize_api
 from sim.engine import FixedRateConfig, FixedRateEngine, SimEngine
+from sim.freeze import FREEZE_KEY, Freeze, freeze_route
 from sim.generation import Call, Generation, ToolCall, forced_call, max_tokens_of, seed_of, serve
 from sim.lora_api import LORA_KEY, LoraState, load_lora_adapter, model_cards, parse_modules, runtime_updating
 from sim.prompts import chat_turns, render_chat
@@ -241,8 +243,11 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     labels = f'{{engine="0",model_name="{request.app[MODEL_KEY]}"}}'
+    gauges = engine.gauges()
+    # Requests a freeze holds at the door are waiting, as a stalled vLLM's queue is.
+    gauges["vllm:num_requests_waiting"] = gauges.get("vllm:num_requests_waiting", 0.0) + request.app[FREEZE_KEY].held
     lines = []
-    for name, value in sorted(engine.gauges().items()):
+    for name, value in sorted(gauges.items()):
         kind = "counter" if name.endswith("_total") else "gauge"
         lines.append(f"# TYPE {name} {kind}\n{name}{labels} {value}")
     cache = engine.cache_config()
@@ -296,12 +301,18 @@ def create_app(
     app[BUSY_HEALTH_DELAY_KEY] = busy_health_delay_s
     app[LORA_KEY] = lora or LoraState()
     app[tokenize_api.VOCABULARY_KEY] = tokenize_api.Vocabulary()
+    freeze = app[FREEZE_KEY] = Freeze()
+    from sim.batched_engine import BatchedSimEngine
+
+    if isinstance(engine, BatchedSimEngine):
+        engine.freeze = freeze  # its step loop stops too: nothing is computed while frozen
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     if runtime_lora:
         app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/sim/freeze", freeze_route)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses_api.create_response)
