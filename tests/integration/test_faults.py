@@ -160,6 +160,8 @@ def test_dropped_streams_are_client_disconnects_not_500s(tmp_path: Path) -> None
         wait_for(lambda: len(access_lines(gw)) >= drops, 30, "not every dropped stream was logged")
         assert [line["status"] for line in access_lines(gw)] == [499] * drops
         assert metric(gw, "fleetgate_client_disconnects_total") == drops
+        assert metric(gw, "fleetgate_stream_cuts_total", reason="client_gone") == drops
+        assert {line.get("cut") for line in access_lines(gw)} == {"client_gone"}
         assert error_lines(gw) == []
 
 
