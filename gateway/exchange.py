@@ -140,6 +140,8 @@ class Exchange:
     rewrite: Callable[[bytes], bytes] | None = None
     # Request headers the dialect passes on to the replica (``anthropic-version``...).
     forward: dict[str, str] | None = None
+    # A stored Responses conversation's id: its first response's (its routing session).
+    chain: str | None = None
     first_token_at: float | None = None
     upstream_started: float | None = None
     upstream_ended: float | None = None

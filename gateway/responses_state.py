@@ -66,35 +66,44 @@ class ResponseState:
 
     # -- the request path -------------------------------------------------------------------
 
-    async def recall(self, call: Call, tenant: TenantSettings) -> tuple[Call, Keeper | None]:
-        """``call`` with its ``previous_response_id`` expanded, and the keeper of its answer
-        (None when the client asked not to store it)."""
+    async def recall(self, call: Call, tenant: TenantSettings) -> tuple[Call, Keeper | None, str | None]:
+        """``call`` with its ``previous_response_id`` expanded, the keeper of its answer
+        (None when the client asked not to store it), and the conversation's id: its first
+        response's (None for a first turn), a session key for routing."""
         body = call.body
         previous = body.get("previous_response_id")
         items = input_items(body)
+        chain: str | None = None
         if previous is not None:
             record = await self._read(tenant.id, previous, "previous_response_id")
             history = [*record.get("input", ()), *_output_items(record.get("response"))]
             items = [*history, *items]
             expanded = {**body, "input": items}
             call = parse_call(call.dialect, orjson.dumps(expanded))
+            kept = record.get("chain")  # records kept before chains were: the previous id
+            chain = kept if isinstance(kept, str) else previous
         if body.get("store") is False:
-            return call, None
+            return call, None, chain
 
         async def keep(final: dict[str, Any] | None) -> GatewayError | None:
-            return await self._keep(tenant, items, previous, final)
+            return await self._keep(tenant, items, previous, chain, final)
 
-        return call, keep
+        return call, keep, chain
 
     async def _keep(
-        self, tenant: TenantSettings, items: list[Any], previous: str | None, final: dict[str, Any] | None
+        self,
+        tenant: TenantSettings,
+        items: list[Any],
+        previous: str | None,
+        chain: str | None,
+        final: dict[str, Any] | None,
     ) -> GatewayError | None:
         response_id = final.get("id") if final is not None else None
         if final is None or not isinstance(response_id, str):
             self._count("put", "no_answer")
             return None
         stored = {**final, "store": True, "previous_response_id": previous}
-        record = orjson.dumps({"input": items, "response": stored})
+        record = orjson.dumps({"input": items, "response": stored, "chain": chain or response_id})
         if len(record) > self.settings.max_record_bytes:
             self._count("put", "too_large")
             log.warning("a response too large to store was not kept", extra={"tenant": tenant.id, "bytes": len(record)})

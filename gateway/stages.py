@@ -162,7 +162,7 @@ class Stages:
         expanded into the whole input, and its answer kept when asked (``gateway.responses_state``)."""
         assert ex.tenant is not None
         previous = ex.call.body.get("previous_response_id")
-        ex.call, ex.keep = await self.responses.recall(ex.call, ex.tenant)
+        ex.call, ex.keep, ex.chain = await self.responses.recall(ex.call, ex.tenant)
         if previous is not None:
             ex.rewrite = echo_previous(previous)
         if ex.call.stream:
@@ -205,7 +205,10 @@ class Stages:
             too_long = context_overflow(call, limit)
             if too_long is not None:
                 return too_long
-        route = self.router.route(model, call.prompt, call.prompt_tokens_estimate, call.max_tokens, choice, tenant.id)
+        session = self._session(ex, request)
+        route = self.router.route(
+            model, call.prompt, call.prompt_tokens_estimate, call.max_tokens, choice, tenant.id, session
+        )
         route.adapter = ex.adapter
         ex.route = route
         ex.pending = route.cost
@@ -214,6 +217,19 @@ class Stages:
         if ex.timeline is not None:
             ex.timeline.mark("parse", self.clock())  # the "parse" span covers classification
         return CONTINUE
+
+    def _session(self, ex: Exchange, request: web.Request) -> str | None:
+        """The request's session key, from the first of ``routing.affinity.session_keys`` it has."""
+        for source in self.settings.routing.affinity.session_keys:
+            if source == "user":
+                value = ex.call.body.get("user")
+            elif source == "response_chain":
+                value = ex.chain
+            else:
+                value = request.headers.get(source[len("header:") :])
+            if isinstance(value, str) and value:
+                return value
+        return None
 
     async def admit(self, ex: Exchange, request: web.Request) -> Reply:
         """Rate limits, concurrency, quotas: a lease on the tenant's budget, or a refusal."""

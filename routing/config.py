@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from routing.classifier import DEFAULT_TIERS, TierRange, validate_tiers
 from routing.policies import (
@@ -95,6 +95,17 @@ class AffinitySettings(_Frozen):
     placement_slack: float = Field(0.0, ge=0.0)
     active_after: int = Field(2, ge=1)
     active_window_s: float = Field(600.0, gt=0)
+    # A prefix carrying more than hot_share of one replica's fair share of the pool's
+    # traffic is spread over ceil(share x replicas / hot_share) replicas, its share counted
+    # over placements decayed with time constant rate_window_s.
+    hot_share: float = Field(0.5, gt=0)
+    rate_window_s: float = Field(60.0, gt=0)
+    # Where a request's session key comes from, the first present wins: "header:<name>" (a
+    # request header), "user" (the body's user field) or "response_chain" (a Responses
+    # conversation: the id of its first response). It chooses among a hot prefix's homes
+    # and places prompts too short for an anchor; without one, a conversation's opening
+    # turn stands for it.
+    session_keys: list[str] = Field(default_factory=lambda: ["header:x-session-id", "response_chain"])
     block_chars: int = Field(DEFAULT_BLOCK_CHARS, ge=16)
     max_blocks: int = Field(DEFAULT_MAX_BLOCKS, ge=1)
     # Past max_blocks fine blocks, blocks of this size, up to max_prefix_chars.
@@ -103,6 +114,14 @@ class AffinitySettings(_Frozen):
     # Prefix keys the prefix index remembers per replica (a memory bound; the KV capacity
     # usually evicts first).
     index_keys: int = Field(DEFAULT_MAX_KEYS, ge=1)
+
+    @field_validator("session_keys")
+    @classmethod
+    def _known_session_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if key not in ("user", "response_chain") and not (key.startswith("header:") and key[len("header:") :]):
+                raise ValueError(f"unknown session key {key!r}: use 'header:<name>', 'user' or 'response_chain'")
+        return [f"header:{k[len('header:') :].lower()}" if k.startswith("header:") else k for k in keys]
 
     @model_validator(mode="after")
     def _anchor_within_fine_blocks(self) -> AffinitySettings:

@@ -20,11 +20,13 @@ A replica that is draining, down, failed or circuit-open is never chosen
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from dialects.base import ROLE_END
 from replicas.replica import GAUGE_KV_USAGE, Replica, ReplicaState
 from routing.prefix_placement import AnchorPlacement
 
@@ -54,6 +56,10 @@ class RouteRequest:
     max_tokens: int = 0
     prefix_ends: tuple[int, ...] = ()
     prompt_chars: int = 0
+    # Which of a hot prefix's homes serves it: a hash of the client's session key, else of
+    # its conversation's opening turn (``conversation_key``); 0 when there is none.
+    session: int = 0
+    conversation: int = 0
 
     def block_tokens(self) -> tuple[tuple[int, ...], int]:
         """Tokens of each keyed block (at least one each), and what else the request puts in a KV cache.
@@ -233,14 +239,25 @@ class PrefixAffinity:
     Each request's *anchor* is its ``anchor_blocks``-th prefix key: the hash of its first
     ``anchor_blocks`` blocks (by default ~1,000 characters, e.g. the opening of a system
     prompt). The replicas are ranked by a hash of the anchor and each replica's address
-    (rendezvous hashing), with the prefix's home first: ``AnchorPlacement`` homes the
+    (rendezvous hashing), with the prefix's homes first: ``AnchorPlacement`` homes the
     prefixes in use on their first choices, except where a hash would split the working
-    set between the replicas' caches unevenly. The request goes to the first replica of that order within the
-    ``LoadBound`` (``affinity``), or to a later one when those before it are over the bound
-    (``affinity_spill``). A prompt shorter than the anchor goes to the least busy replica
-    (``no_prefix``): fewest requests in flight, then least ``effective_load``; so does a
-    prefix seen for the first time in a pool where new prefixes seldom come back
-    (``new_prefix``, ``AnchorPlacement.reuse``).
+    set between the replicas' caches unevenly, and gives a hot prefix as many homes as its
+    share of the traffic calls for. Among a hot prefix's homes the request's ``session``
+    chooses, by rendezvous hashing again: every turn of a conversation (or every request
+    of a client's session key) goes to the same home, on every pod, and conversations
+    spread evenly over the homes. The request goes to the first replica of that order
+    within the ``LoadBound`` (``affinity``), or to a later one when those before it are
+    over the bound (``affinity_spill``). A prompt shorter than the anchor goes to the
+    least busy replica (``no_prefix``): fewest requests in flight, then least
+    ``effective_load``; with a session, to the first of the session's own order within the
+    bound (``session``). So does a prefix seen for the first time in a pool where new
+    prefixes seldom come back (``new_prefix``, ``AnchorPlacement.reuse``).
+
+    A *stalled* replica (``Replica.stalled``: holding requests, none of which got a byte
+    for a while) is passed over while another can take the request: a prefix homed there
+    goes to the next replica of its order (``stall_spill``) and comes home once the
+    replica moves again. The router does not record a stall spill in the pool's prefix
+    index, so the prefix stays homed where it was.
 
     Why homes computed from hashes and not "where it was sent before": the order depends
     only on the prefixes in use and the set of replicas, so every gateway pod places a
@@ -277,7 +294,7 @@ class PrefixAffinity:
         self._load = load or LoadModel()
         self._bound = bound or LoadBound()
         self._anchor = anchor_blocks
-        self.placement = placement or AnchorPlacement()
+        self.placement = placement if placement is not None else AnchorPlacement()
         self._members = members
 
     def pick(
@@ -286,36 +303,51 @@ class PrefixAffinity:
         candidates = _candidates(replicas, now, exclude)
         if not candidates:
             return Decision(None, "no_routable_replica")
-        model = self._load
+        stalled = {r.base_url for r in candidates if r.stalled(now)}
+        if stalled and len(stalled) < len(candidates):  # a stalled replica only when every one is
+            candidates = [r for r in candidates if r.base_url not in stalled]
         keys = request.prefix_keys
+        weight = self.placement.weight
         if len(keys) < self._anchor:
+            if request.session:
+                best = self._first_within_bound(candidates, lambda r: weight(request.session, r.base_url))
+                return Decision(best, "session")
             return Decision(self._least_busy(candidates), "no_prefix")
         anchor = keys[self._anchor - 1]
         members = self._members if self._members is not None else replicas
         addresses = [r.base_url for r in members if r.state is ReplicaState.HEALTHY]
         # A retry (``exclude``) is the same request, not one more use of the prefix.
-        home = self.placement.home(anchor, addresses or [r.base_url for r in candidates], now, seen=not exclude)
-        if home is None:  # seen once, where new prefixes seldom come back: by load
+        homes = self.placement.homes_of(anchor, addresses or [r.base_url for r in candidates], now, seen=not exclude)
+        if not homes:  # seen once, where new prefixes seldom come back: by load
             return Decision(self._least_busy(candidates), "new_prefix")
-        requests = [model.requests(r) for r in candidates]
+        session = request.session or request.conversation or anchor
+
+        def rank(replica: Replica) -> tuple[int, float]:
+            """Homes first (by the session's weighted order among them), then the prefix's order."""
+            address = replica.base_url
+            part = homes.get(address)
+            if part is None:
+                return 0, weight(anchor, address)
+            return 1, part / -math.log((weight(session, address) + 0.5) / _TWO_64) if len(homes) > 1 else 0.0
+
+        best = self._first_within_bound(candidates, rank)
+        if best.base_url in homes:
+            return Decision(best, "affinity")
+        # Not at home: past the bound, home stalled, or home not a candidate (tried already, or full).
+        return Decision(best, "stall_spill" if stalled.intersection(homes) else "affinity_spill")
+
+    def _first_within_bound(self, candidates: list[Replica], rank: Callable[[Replica], Any]) -> Replica:
+        """The highest-ranked candidate within the ``LoadBound`` (the least busy when none is)."""
+        requests = [self._load.requests(r) for r in candidates]
         total, n = sum(requests), len(candidates)
-        weight = self.placement.weight
-        weights = [_HOME_WEIGHT if r.base_url == home else weight(anchor, r.base_url) for r in candidates]
-        # The first replica in the order within the bound is the heaviest of those within it.
         allowed = [i for i in range(n) if self._bound.allows(requests[i], total, n)]
         if not allowed:  # only with a zero margin: take the least busy
             allowed = [min(range(n), key=requests.__getitem__)]
-        best = max(allowed, key=weights.__getitem__)
-        # Not at home: past the bound, or home was not a candidate (tried already, or full).
-        return Decision(candidates[best], "affinity" if candidates[best].base_url == home else "affinity_spill")
+        return candidates[max(allowed, key=lambda i: rank(candidates[i]))]
 
     def _least_busy(self, candidates: list[Replica]) -> Replica | None:
         model = self._load
         return _argmin(candidates, lambda r: (model.requests(r), model.effective_load(r)), self._rng)
-
-
-# Above every 64-bit rendezvous weight: a prefix's home comes first in its order.
-_HOME_WEIGHT = 1 << 64
 
 
 def prefix_keys(
@@ -346,6 +378,30 @@ def prefix_keys(
         if len(keys) == max_blocks:
             step = coarse_block_chars
     return tuple(keys), tuple(ends), size
+
+
+# Rendezvous weights are 64-bit: divided by this, a uniform number in (0, 1).
+_TWO_64 = float(1 << 64)
+
+
+def session_hash(session: str) -> int:
+    """A session key's 64-bit hash (never 0, which means no session)."""
+    return int.from_bytes(hashlib.blake2b(session.encode(), digest_size=8).digest(), "little") or 1
+
+
+# Segments that open a conversation before its first turn (PromptView's role-tagged form).
+_PREAMBLE_ROLES = (f"system{ROLE_END}", f"developer{ROLE_END}")
+
+
+def conversation_key(segments: Sequence[str], max_chars: int = 4096) -> int:
+    """What stands for a conversation's session when the client names none: a hash of its
+    opening, up to and with its first turn that is not a system prompt (the last
+    ``max_chars`` characters of that: the turn, and the end of the system prompt), so every
+    later turn of it gets the same key; 0 for no prompt."""
+    for i, segment in enumerate(segments):
+        if not segment.startswith(_PREAMBLE_ROLES):
+            return session_hash("".join(segments[: i + 1])[-max_chars:])
+    return session_hash(segments[-1][:max_chars]) if segments else 0
 
 
 def _argmin(

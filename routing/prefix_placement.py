@@ -32,6 +32,21 @@ pod has seen so far, and pods would disagree until their sets converge). In a st
 working set nothing moves; a prefix entering or leaving the set moves about one other at
 most. A pass costs O(prefixes in use x replicas) on the request that triggers it.
 
+A hot prefix gets more than one home. Homes balance how many prefixes each replica caches,
+not their traffic: with 16 prompts of Zipf popularity over two replicas, one replica took
+74% of the requests, and at a dozen concurrent conversations the load bound never spilled.
+So each prefix in use carries a decayed count of its placements (time constant
+``rate_window_s``), and its share of the pool's placements says how many replicas it
+needs: one while it carries at most ``hot_share`` of a replica's fair share (``1 / n`` of
+the traffic), then ``ceil(share * n / hot_share)``, up to every replica (``spread``). Its
+extra homes are the next replicas of its rendezvous order, so they too are the same on
+every pod; a pod's shares are its own, but pods behind one Service see the same mix of
+prompts, and the count is a function of the share alone (no memory of how it got there:
+hysteresis made two pods that saw the same traffic in another order disagree), so pods
+disagree only while a share sits at a step, and then only on whether the last extra home
+takes a part. Which of a prefix's homes serves a request is
+the policy's choice (``routing.policies.PrefixAffinity``).
+
 Homes pay only for prefixes that come back. The placement follows how many of the pool's
 new prefixes do (``reuse``): where fewer than half do (retrieval over unique documents,
 one-off prompts), a prefix seen once has no home, and the policy places it by load.
@@ -75,12 +90,22 @@ def rendezvous_weight(anchor: int, seed: int) -> int:
     return mix64(anchor ^ seed)
 
 
+# The least part of its fair share a hot prefix's home takes, however loaded (``_split``).
+_MIN_PART = 0.05
+# A hot prefix is spread only once the pool's decayed placement count reaches this: the
+# shares of the first few requests say little yet.
+_MIN_EVIDENCE = 32.0
+
+
 @dataclass(slots=True)
 class _Anchor:
     seen: int
     last_seen: float
     # The replicas in the anchor's rendezvous order (for the members it was computed with).
     order: tuple[str, ...] = field(default=())
+    # Its placements, decayed with time constant ``rate_window_s`` as of ``counted_at``.
+    weight: float = 0.0
+    counted_at: float = 0.0
 
 
 class AnchorPlacement:
@@ -92,13 +117,19 @@ class AnchorPlacement:
         "_homes",
         "_members",
         "_one_off",
+        "_parts",
+        "_parts_at",
         "_passed_at",
         "_pending",
         "_reused",
         "_seeds",
+        "_total",
+        "_total_at",
         "active_after",
         "factor",
+        "hot_share",
         "max_anchors",
+        "rate_window_s",
         "refresh_s",
         "slack",
         "window_s",
@@ -113,15 +144,26 @@ class AnchorPlacement:
         window_s: float = 600.0,
         refresh_s: float = 2.0,
         max_anchors: int = 16384,
+        hot_share: float = 0.5,
+        rate_window_s: float = 60.0,
     ) -> None:
         if factor < 1.0 or slack < 0 or active_after < 1 or max_anchors < 1:
             raise ValueError("factor >= 1, slack >= 0, active_after >= 1 and max_anchors >= 1 are required")
+        if hot_share <= 0 or rate_window_s <= 0:
+            raise ValueError("hot_share and rate_window_s must be positive")
         self.factor = factor
         self.slack = slack
         self.active_after = active_after
         self.window_s = window_s
         self.refresh_s = refresh_s
         self.max_anchors = max_anchors
+        self.hot_share = hot_share
+        self.rate_window_s = rate_window_s
+        # Every placement, decayed like each anchor's weight (as of ``_total_at``).
+        self._total, self._total_at = 0.0, -math.inf
+        # The hot prefixes' parts per home (``_split``), and when they were worked out.
+        self._parts: dict[int, dict[str, float]] = {}
+        self._parts_at: float | None = None
         # Every remembered anchor, least recently placed first.
         self._anchors: OrderedDict[int, _Anchor] = OrderedDict()
         self._homes: dict[int, str] = {}
@@ -153,6 +195,83 @@ class AnchorPlacement:
         else:
             self._one_off += 1.0
 
+    def share(self, anchor: int, now: float) -> float:
+        """``anchor``'s share of the pool's recent placements (0 for one not remembered)."""
+        entry = self._anchors.get(anchor)
+        if entry is None or self._total <= 0:
+            return 0.0
+        return self._decayed(entry.weight, entry.counted_at, now) / self._decayed(self._total, self._total_at, now)
+
+    def _decayed(self, weight: float, since: float, now: float) -> float:
+        return weight * math.exp(-max(0.0, now - since) / self.rate_window_s)
+
+    def homes_of(self, anchor: int, members: Sequence[str], now: float, *, seen: bool = True) -> dict[str, float]:
+        """Every home of ``anchor`` among ``members`` with the part of its traffic each should
+        take, its first home (``home``) first; empty where ``home`` is None. More than one
+        for a hot prefix: the next replicas of its order, each taking what the traffic of
+        the prefixes homed on it leaves of its fair share (``_parts``)."""
+        home = self.home(anchor, members, now, seen=seen)
+        if home is None:
+            return {}
+        if self.spread(anchor, now) <= 1:
+            return {home: 1.0}
+        if self._parts_at is None or now - self._parts_at >= self.refresh_s or anchor not in self._parts:
+            self._split(now)
+        return self._parts.get(anchor) or {home: 1.0}
+
+    def _hot_homes(self, anchor: int, home: str, now: float) -> tuple[str, ...]:
+        entry = self._anchors[anchor]
+        if not entry.order:
+            entry.order = self.order(anchor, self._members)
+        return (home, *[m for m in entry.order if m != home][: self.spread(anchor, now) - 1])
+
+    def _split(self, now: float) -> None:
+        """Each hot prefix's parts: its homes fill what the others leave of their fair share.
+
+        The traffic of the prefixes with one home is summed per replica; then each hot
+        prefix, in key order, gives each of its homes a part in proportion to the room left
+        there (a fair share, ``1 / n`` of the traffic, less what is on it already; at least
+        ``_MIN_PART`` of a fair share, so no home is left out), and that part counts on the
+        home for the next hot prefix. Counting prefixes balances the caches; this balances
+        the load, where one hot prompt beside several warm ones on one replica made it take
+        two thirds of the requests. Shares come from this pod's traffic, so two pods' parts
+        differ by their sampling noise, and a session moves only where its part moved
+        (weighted rendezvous, ``routing.policies.PrefixAffinity``).
+        """
+        fair = 1.0 / max(1, len(self._members))
+        load = dict.fromkeys(self._members, 0.0)
+        hot: list[tuple[int, str]] = []
+        for anchor, home in self._homes.items():
+            if anchor not in self._anchors or home not in load:
+                continue
+            if self.spread(anchor, now) > 1:
+                hot.append((anchor, home))
+            else:
+                load[home] += self.share(anchor, now)
+        parts: dict[int, dict[str, float]] = {}
+        for anchor, home in sorted(hot):
+            homes = self._hot_homes(anchor, home, now)
+            room = [max(fair - load[h], _MIN_PART * fair) for h in homes]
+            share, total = self.share(anchor, now), sum(room)
+            parts[anchor] = {h: r / total for h, r in zip(homes, room, strict=True)}
+            for h, part in parts[anchor].items():
+                load[h] += share * part
+        self._parts, self._parts_at = parts, now
+
+    def spread(self, anchor: int, now: float) -> int:
+        """How many replicas ``anchor``'s traffic calls for: ``ceil(share * n / hot_share)``, 1 to n."""
+        replicas = len(self._members)
+        if replicas <= 1 or self._decayed(self._total, self._total_at, now) < _MIN_EVIDENCE:
+            return 1
+        return max(1, min(replicas, math.ceil(self.share(anchor, now) * replicas / self.hot_share)))
+
+    def _count(self, entry: _Anchor, now: float) -> None:
+        """One more placement of ``entry``: its weight and the pool's."""
+        entry.weight = self._decayed(entry.weight, entry.counted_at, now) + 1.0
+        entry.counted_at = now
+        self._total = self._decayed(self._total, self._total_at, now) + 1.0
+        self._total_at = now
+
     def home(self, anchor: int, members: Sequence[str], now: float, *, seen: bool = True) -> str | None:
         """Where ``anchor`` lives among ``members`` (never empty); ``seen``: this is one more use of it.
 
@@ -172,6 +291,7 @@ class AnchorPlacement:
             anchors.move_to_end(anchor)
         entry.last_seen = now
         if seen:
+            self._count(entry, now)
             entry.seen += 1
             if entry.seen == 1:
                 pending = self._pending
@@ -223,6 +343,7 @@ class AnchorPlacement:
             for entry in anchors.values():
                 entry.order = ()
         self._members, self._dirty, self._passed_at = members, False, now
+        self._parts_at = None
         homes: dict[int, str] = {}
         in_use = [a for a, e in anchors.items() if self._in_use(e)]
         count = dict.fromkeys(members, 0)

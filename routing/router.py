@@ -48,7 +48,9 @@ from routing.policies import (
     PrefixAffinity,
     RoundRobin,
     RouteRequest,
+    conversation_key,
     prefix_keys,
+    session_hash,
 )
 from routing.prefix_index import PrefixIndex
 from routing.prefix_placement import AnchorPlacement
@@ -110,6 +112,8 @@ def make_policy(
             slack=affinity.placement_slack,
             active_after=affinity.active_after,
             window_s=affinity.active_window_s,
+            hot_share=affinity.hot_share,
+            rate_window_s=affinity.rate_window_s,
         )
         return PrefixAffinity(rng, load, bound, affinity.anchor_blocks, placement, members)
     if name == "least_outstanding_tokens":
@@ -225,6 +229,7 @@ class Route:
         "queued_s",
         "reason",
         "served",
+        "session",
         "tenant",
     )
 
@@ -237,9 +242,11 @@ class Route:
         max_tokens: int | None,
         choice: TierChoice | None = None,
         tenant: str = "",
+        session: str | None = None,
     ) -> None:
         self._router = router
         self.tenant = tenant
+        self.session = session
         self.model = model
         self.prompt = prompt
         self.prompt_tokens = prompt_tokens
@@ -307,7 +314,7 @@ class Route:
         if self._request is None:
             # First pick: the policy's view of the request, built once; the request counts
             # towards its pool's retry budget.
-            self._request = router.route_request(self.prompt, self.prompt_tokens, self.max_tokens)
+            self._request = router.route_request(self.prompt, self.prompt_tokens, self.max_tokens, self.session)
             chain[0].budget.deposit(now)
         request = self._request
         for position, pool in enumerate(chain):
@@ -318,7 +325,7 @@ class Route:
             self.reason = decision.reason
             self.served = pool.model
             index = pool.index
-            if index is not None and request.prefix_keys:
+            if index is not None and request.prefix_keys and decision.reason != "stall_spill":
                 keys = request.prefix_keys
                 self._prefill = request.uncached_tokens(index.depth(keys, replica.id))
                 sizes, rest = request.block_tokens()
@@ -326,6 +333,9 @@ class Route:
                 index.record(keys, sizes, replica.id, rest_tokens=rest, capacity_tokens=capacity)
                 if index.replicas() > len(pool.replicas):  # some left (discovery): their entries go
                     index.retain({r.id for r in pool.replicas})
+            elif index is not None and request.prefix_keys:
+                # A stall spill is a detour: the prefix stays recorded (and homed) where it was.
+                self._prefill = request.uncached_tokens(index.depth(request.prefix_keys, replica.id))
             else:
                 self._prefill = self.prompt_tokens
             router.metrics.decided(pool.model, decision.reason)
@@ -556,18 +566,30 @@ class Router:
         max_tokens: int | None,
         choice: TierChoice | None = None,
         tenant: str = "",
+        session: str | None = None,
     ) -> Route:
-        return Route(self, model, prompt, prompt_tokens, max_tokens, choice, tenant)
+        """``session``: the request's session key, when the client sent one (``AffinitySettings.session_keys``)."""
+        return Route(self, model, prompt, prompt_tokens, max_tokens, choice, tenant, session)
 
-    def route_request(self, prompt: PromptView, prompt_tokens: int, max_tokens: int) -> RouteRequest:
-        """The policy's view of a request; prefix keys only when something uses them."""
+    def route_request(
+        self, prompt: PromptView, prompt_tokens: int, max_tokens: int, session: str | None = None
+    ) -> RouteRequest:
+        """The policy's view of a request; prefix keys, and the session's hash, only when something uses them.
+
+        Without a session key, a conversation's opening turn stands for its session
+        (``conversation_key``): the same in every later turn of it, on every pod.
+        """
         if not self._wants_keys:
             return RouteRequest((), prompt_tokens, max_tokens)
         a = self._affinity
         keys, ends, chars = prefix_keys(
             prompt.segments, a.block_chars, a.max_blocks, a.coarse_block_chars, a.max_prefix_chars
         )
-        return RouteRequest(keys, prompt_tokens, max_tokens, ends, chars)
+        if session:
+            return RouteRequest(keys, prompt_tokens, max_tokens, ends, chars, session=session_hash(session))
+        return RouteRequest(
+            keys, prompt_tokens, max_tokens, ends, chars, conversation=conversation_key(prompt.segments)
+        )
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """Tenants' fair-queue weights (start-up and config reload)."""

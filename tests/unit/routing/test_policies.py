@@ -8,6 +8,7 @@ from common.breaker import BreakerConfig, CircuitBreaker
 from dialects.openai import CHAT
 from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Replica, ReplicaState
 from routing.policies import (
+    Decision,
     LeastOutstandingTokens,
     LeastRequests,
     LoadBound,
@@ -15,7 +16,9 @@ from routing.policies import (
     PrefixAffinity,
     RoundRobin,
     RouteRequest,
+    conversation_key,
     prefix_keys,
+    session_hash,
 )
 from routing.prefix_placement import AnchorPlacement
 
@@ -320,3 +323,127 @@ def test_block_tokens_share_the_prompt_by_characters() -> None:
     # 0.3 tokens per character: 76.8 -> 77 per block; the unkeyed end and the completion remain.
     assert r.block_tokens() == ((77, 77, 77), 300 - 231 + 50)
     assert RouteRequest(prompt_tokens=40, max_tokens=10).block_tokens() == ((), 50)
+
+
+# --- hot prefixes, sessions and stalls -----------------------------------------------------
+
+
+def conversation(system: str, user: str, turns: int) -> list[RouteRequest]:
+    """A conversation's requests, turn by turn (each repeats the ones before), as the router keys them."""
+    requests = []
+    for turn in range(1, turns + 1):
+        body = {"messages": [{"role": "system", "content": system}]}
+        for t in range(turn):
+            body["messages"] += [{"role": "user", "content": f"{user} {t}"}]
+            if t < turn - 1:
+                body["messages"] += [{"role": "assistant", "content": f"answer {t} " * 50}]
+        segments = CHAT.prompt(body).segments
+        keys, ends, chars = prefix_keys(segments)
+        requests.append(RouteRequest(keys, 300, 100, ends, chars, conversation=conversation_key(segments)))
+    return requests
+
+
+def zipf_conversations(policy: PrefixAffinity, rs: list[Replica]) -> tuple[dict[str, int], set[str], int]:
+    """300 conversations of 2-4 turns behind 16 system prompts of Zipf popularity (the most
+    popular: 30% of them); (requests per replica, where the hot prompt's went, conversations
+    after the first 50 that moved between replicas)."""
+    rng = random.Random(7)
+    systems = [f"System prompt {i} (4): you help with topic {i}. " * 30 for i in range(16)]
+    popularity = [1 / (i + 1) for i in range(16)]
+    served = dict.fromkeys((r.id for r in rs), 0)
+    hot: set[str] = set()
+    moved, now = 0, 0.0
+    for c in range(300):
+        s = rng.choices(range(16), popularity)[0]
+        where = set()
+        for request in conversation(systems[s], f"conversation {c}", rng.randint(2, 4)):
+            decision = policy.pick(rs, request, now)
+            assert decision.replica is not None and decision.reason == "affinity"
+            where.add(decision.replica.id)
+            served[decision.replica.id] += 1
+            now += 0.05
+        moved += len(where) > 1 and c >= 50
+        if s == 0:
+            hot |= where
+    return served, hot, moved
+
+
+def test_a_hot_prefix_spreads_its_conversations_and_keeps_each_on_one_replica() -> None:
+    """Over two replicas the hot prompt gets both as homes and fills what the others leave."""
+    rs = [replica("a"), replica("b")]
+    served, hot, moved = zipf_conversations(PrefixAffinity(random.Random(1), members=rs), rs)
+    assert hot == {"a", "b"}
+    assert max(served.values()) / sum(served.values()) <= 0.55, served
+    assert moved <= 2, f"{moved} conversations moved after the first 50"
+
+
+def test_without_the_spread_the_same_traffic_piles_onto_one_replica() -> None:
+    """The check above can fail: with no spread (a hot share no prefix reaches), one replica
+    takes over 60% of the same requests."""
+    rs = [replica("a"), replica("b")]
+    policy = PrefixAffinity(random.Random(1), placement=AnchorPlacement(hot_share=1e9), members=rs)
+    served, hot, moved = zipf_conversations(policy, rs)
+    assert len(hot) == 1 and moved == 0
+    assert max(served.values()) / sum(served.values()) > 0.6, served
+
+
+def test_a_session_key_chooses_among_a_hot_prefixs_homes_alike_on_every_pod() -> None:
+    members = [replica(x) for x in "abcd"]
+    pods = [PrefixAffinity(random.Random(i), members=members) for i in range(2)]
+    base = req(SYSTEM_A)
+
+    def pick(i: int, session: str, now: float) -> Replica:
+        request = RouteRequest(
+            base.prefix_keys, 300, 100, base.prefix_ends, base.prompt_chars, session=session_hash(session)
+        )
+        decision = pods[i % 2].pick(members, request, now)
+        assert decision.replica is not None and decision.reason == "affinity"
+        return decision.replica
+
+    for i in range(64):  # one prompt only: once the pods have seen enough, it is hot everywhere
+        pick(i, "warm-up", i * 0.01)
+    where: dict[str, set[str]] = {}
+    for i in range(400):
+        session = f"user-{i % 40}"
+        where.setdefault(session, set()).add(pick(i, session, 1.0 + i * 0.01).id)
+    assert all(len(w) == 1 for w in where.values()), where  # each session on one replica, from either pod
+    assert {next(iter(w)) for w in where.values()} == set("abcd")
+
+
+def test_a_session_places_a_prompt_too_short_for_an_anchor() -> None:
+    rs = [replica("a", requests=3), replica("b"), replica("c")]
+    policy = affinity()
+    short = RouteRequest(*prefix_keys(chat("", "hello"))[:1], session=session_hash("s1"))
+    picks = {policy.pick(rs, short, 0.0).replica.id for _ in range(5)}  # type: ignore[union-attr]
+    assert len(picks) == 1 and policy.pick(rs, short, 0.0).reason == "session"
+    assert policy.pick(rs, RouteRequest(short.prefix_keys), 0.0).reason == "no_prefix"
+
+
+def stall(r: Replica, since: float) -> None:
+    """``r`` holds a stream that has had no byte since ``since``."""
+    r.streams, r.streams_since = 1, since
+
+
+def test_a_stalled_home_spills_to_the_next_replica_and_the_prefix_comes_back() -> None:
+    rs = [replica("a"), replica("b"), replica("c")]
+    policy = affinity()
+    request = req(SYSTEM_A)
+    home = policy.pick(rs, request, 0.0).replica
+    assert home is not None
+    stall(home, since=0.0)
+    spill = policy.pick(rs, request, 10.0)
+    assert spill.replica is not home and spill.reason == "stall_spill"
+    order = policy.placement.order(request.prefix_keys[3], [r.base_url for r in rs])
+    assert spill.replica is not None and spill.replica.base_url == order[1 if order[0] == home.base_url else 0]
+    home.last_progress_at = 10.5  # a byte came: it moves again
+    assert policy.pick(rs, request, 11.0) == Decision(home, "affinity")
+
+
+def test_when_every_replica_is_stalled_the_home_still_serves() -> None:
+    rs = [replica("a"), replica("b")]
+    policy = affinity()
+    request = req(SYSTEM_B)
+    home = policy.pick(rs, request, 0.0).replica
+    for r in rs:
+        stall(r, since=0.0)
+    assert policy.pick(rs, request, 10.0) == Decision(home, "affinity")

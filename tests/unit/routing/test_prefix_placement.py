@@ -160,3 +160,72 @@ def test_settings_are_checked() -> None:
         AnchorPlacement(factor=0.5)
     with pytest.raises(ValueError):
         AnchorPlacement(slack=-1)
+
+
+# --- hot prefixes ----------------------------------------------------------------------
+
+
+def test_a_hot_prefix_gets_as_many_homes_as_its_share_calls_for() -> None:
+    """Shares over 8 replicas: 40% of placements -> ceil(0.4 x 8 / 0.5) = 7 homes; 5% -> 1."""
+    placement = AnchorPlacement(hot_share=0.5, refresh_s=0.0)  # parts worked out at every call
+    hot, *cold = keys(13)
+    eight = [f"http://10.0.1.{i}:8000" for i in range(8)]
+    for step in range(40):  # 8 hot placements for every 12 cold ones
+        now = step * 0.01
+        for _ in range(8):
+            placement.homes_of(hot, eight, now)
+        for anchor in cold:
+            placement.homes_of(anchor, eight, now)
+    share = placement.share(hot, 0.4)
+    assert share == pytest.approx(8 / 20, abs=0.01)
+    homes = placement.homes_of(hot, eight, 0.4, seen=False)
+    assert len(homes) == 7
+    # The first home is the pass's; the others follow the prefix's rendezvous order.
+    first = placement.homes()[hot]
+    assert list(homes) == [first, *[m for m in placement.order(hot, eight) if m != first][:6]]
+    # Its parts fill what the cold prefixes (12 x 5%) leave of each home's fair share (1/8).
+    loads = {m: 0.0 for m in eight}
+    for anchor in cold:
+        (home,) = placement.homes_of(anchor, eight, 0.4, seen=False)
+        loads[home] += placement.share(anchor, 0.4)
+    rooms = {m: max(1 / 8 - loads[m], 0.05 / 8) for m in homes}
+    assert homes == pytest.approx({m: r / sum(rooms.values()) for m, r in rooms.items()})
+    assert sum(homes.values()) == pytest.approx(1.0)
+
+
+def test_pods_with_the_same_traffic_in_another_order_agree_on_the_homes() -> None:
+    traffic = [a for a, n in zip(keys(6), (30, 10, 5, 5, 3, 3), strict=True) for _ in range(n)]
+    shuffled = list(traffic)
+    random.Random(3).shuffle(shuffled)
+    pods = [AnchorPlacement(), AnchorPlacement()]
+    for pod, order in zip(pods, (traffic, shuffled), strict=True):
+        for i, anchor in enumerate(order):
+            pod.homes_of(anchor, FOUR, i * 0.001)
+        pod.homes_of(order[0], FOUR, 10.0, seen=False)  # a pass after the same set
+    for anchor in set(traffic):
+        ours, theirs = (pod.homes_of(anchor, FOUR, 10.0, seen=False) for pod in pods)
+        # The same homes in the same order; parts as alike as the decayed counts (the same
+        # placements, decayed from other moments).
+        assert list(ours) == list(theirs) and ours == pytest.approx(theirs, abs=1e-3)
+    assert max(len(pods[0].homes_of(a, FOUR, 10.0, seen=False)) for a in traffic) > 1
+
+
+def test_the_spread_follows_the_share_both_ways() -> None:
+    """Two replicas: a share above 1/4 spreads a prefix to both; below it, one home again."""
+    placement = AnchorPlacement(hot_share=0.5, rate_window_s=1e9)  # no decay: shares are counts
+    hot, a, b, c, d = keys(5)
+    for _ in range(12):
+        for anchor in (hot, a, b):
+            placement.homes_of(anchor, TWO, 0.0)
+    assert len(placement.homes_of(hot, TWO, 0.0)) == 2  # 13 of 37
+    for _ in range(12):
+        for anchor in (a, b, c, d):
+            placement.homes_of(anchor, TWO, 0.0)
+    assert len(placement.homes_of(hot, TWO, 0.0)) == 1  # 14 of 86
+
+
+def test_a_few_placements_spread_nothing() -> None:
+    placement = AnchorPlacement()
+    (anchor,) = keys(1)
+    assert [len(placement.homes_of(anchor, FOUR, 0.0)) for _ in range(31)] == [1] * 31
+    assert len(placement.homes_of(anchor, FOUR, 0.0)) == 4  # 32 placements, all of this prefix

@@ -16,7 +16,7 @@ from replicas.replica import Replica, ReplicaState
 from routing.config import CapacitySettings, RetryBudgetSettings, RoutingSettings
 from routing.embedding_head import EmbeddingHead
 from routing.metrics import RoutingMetrics
-from routing.policies import LeastRequests, PrefixAffinity, RoundRobin
+from routing.policies import LeastRequests, PrefixAffinity, RoundRobin, conversation_key, session_hash
 from routing.router import DEADLINE, EXHAUSTED, NO_REPLICA, RETRY_BUDGET, PoolSpec, Router, make_policy
 from routing.word_frequency import default_word_frequency
 
@@ -374,3 +374,41 @@ def test_choose_tier_hands_the_window_to_a_head_that_weighs_it() -> None:
     bare = router.choose_tier(chat("hi"), None, (), np.array([1.0, 0.0], dtype=np.float32), "", None)
     assert bare is not None and bare.classification.head == "static"
     assert "; static(mismatch); " in bare.header()
+
+
+def test_a_stall_spill_leaves_the_prefix_recorded_where_it_was() -> None:
+    members = [replica("m", 0), replica("m", 1)]
+    router, _ = build([PoolSpec("m", "t")], {"m": members})
+    prompt = chat("a question", system=SYSTEM)
+    route = router.route("m", prompt, 500, 10)
+    home = route(set())
+    assert home is not None and route.reason == "affinity"
+    home.streams, home.streams_since = 1, -60.0  # a stream with no byte for a minute: stalled
+    detour = router.route("m", prompt, 500, 10)
+    other = detour(set())
+    assert other is not None and other is not home and detour.reason == "stall_spill"
+    index = router.pools["m"].index
+    assert index is not None
+    keys = router.route_request(prompt, 500, 10).prefix_keys
+    assert index.depth(keys, home.id) == len(keys) and index.depth(keys, other.id) == 0
+
+
+def test_a_session_key_reaches_the_policy_as_its_hash() -> None:
+    router, _ = build([PoolSpec("m", "t")], {"m": [replica("m", 0)]})
+    prompt = chat("a question", system=SYSTEM)
+    with_session = router.route_request(prompt, 500, 10, "conversation-7")
+    assert with_session.session == session_hash("conversation-7") and with_session.conversation == 0
+    without = router.route_request(prompt, 500, 10)
+    assert without.session == 0 and without.conversation == conversation_key(prompt.segments) != 0
+    # A later turn of the same conversation keeps its key.
+    later = CHAT.prompt(
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "a question"},
+                {"role": "assistant", "content": "an answer"},
+                {"role": "user", "content": "another"},
+            ]
+        }
+    )
+    assert router.route_request(later, 500, 10).conversation == without.conversation
