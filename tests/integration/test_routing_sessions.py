@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from routing.config import AffinitySettings
@@ -77,3 +78,32 @@ def test_a_bad_session_key_setting_is_refused_at_load() -> None:
     with pytest.raises(ValueError, match="unknown session key"):
         AffinitySettings(session_keys=["cookie"])
     assert AffinitySettings(session_keys=["header:X-Conversation"]).session_keys == ["header:x-conversation"]
+
+
+async def test_a_responses_conversation_carries_its_first_responses_id_as_its_session(tmp_path: Path) -> None:
+    """Each stored turn keeps the chain's id; the router is handed it as the session key."""
+    async with four_replicas() as urls, in_process_gateway(config(urls), tmp_path) as (url, gw, _):
+        sessions: list[str | None] = []
+        route = gw.router.route
+
+        def spy(*args: Any) -> Any:
+            sessions.append(args[-1])
+            return route(*args)
+
+        gw.router.route = spy  # type: ignore[method-assign]
+        ids: list[str] = []
+        async with httpx.AsyncClient(timeout=20) as client:
+            for turn in range(3):
+                body: dict[str, Any] = {"model": "m", "input": f"turn {turn}", "max_output_tokens": 4}
+                if ids:
+                    body["previous_response_id"] = ids[-1]
+                reply = await client.post(
+                    f"{url}/v1/responses", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+                )
+                assert reply.status_code == 200, reply.text
+                ids.append(reply.json()["id"])
+        tenant = next(iter(gw.settings.tenants)).id
+        for response_id in ids:
+            record = await gw.responses.store.get(tenant, response_id)
+            assert record is not None and orjson.loads(record)["chain"] == ids[0]
+    assert sessions == [None, ids[0], ids[0]]
