@@ -90,7 +90,7 @@ async def test_a_responses_conversation_carries_its_first_responses_id_as_its_se
             sessions.append(args[-1])
             return route(*args)
 
-        gw.router.route = spy  # type: ignore[method-assign]
+        gw.router.route = spy  # type: ignore[method-assign,assignment]
         ids: list[str] = []
         async with httpx.AsyncClient(timeout=20) as client:
             for turn in range(3):
