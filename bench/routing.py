@@ -257,15 +257,17 @@ class FairRun:
 # -- running ----------------------------------------------------------------------------
 
 
-def prefix_home(spec: RequestSpec, replicas: int) -> int:
+def prefix_home(spec: RequestSpec, replicas: int, salt: str = "") -> int:
     """The client-side hash: an MD5 of the shared prefix the request opens with, modulo the replicas.
 
     The prefix's name (``system#12``) stands for its text: the system message also carries
     per-user data after the shared part, which would make every session hash apart. A request
-    with no shared opening hashes its first message.
+    with no shared opening hashes its first message. ``salt`` (the point's seed) gives every
+    seed a placement of its own, as new prompt text would: with a few prefixes on a few
+    replicas one placement alone may leave a replica idle or put the hottest two together.
     """
     key = spec.prefix_key or (spec.messages[0]["content"] if spec.messages else "")
-    return int.from_bytes(hashlib.md5(key.encode()).digest()[:8], "little") % replicas
+    return int.from_bytes(hashlib.md5(f"{salt}/{key}".encode()).digest()[:8], "little") % replicas
 
 
 class HashingLoadGenerator(LoadGenerator):
@@ -280,7 +282,7 @@ class HashingLoadGenerator(LoadGenerator):
     ) -> None:
         # The run's state is shared by its requests; only the target differs, so the request
         # streams through a shallow copy naming its replica (warm keys and counters stay shared).
-        home = self.replica_urls[prefix_home(spec, len(self.replica_urls))]
+        home = self.replica_urls[prefix_home(spec, len(self.replica_urls), salt=str(run.plan.seed))]
         routed = copy.copy(run)
         routed.target = replace(run.target, base_url=home, api_key=None)
         await super()._stream(routed, spec, sample, times, parts)
@@ -809,7 +811,8 @@ def saturation_report(doc: dict[str, Any]) -> str:
         f"- **Fleets**: one per row, {config['replicas']} simulated replicas each (`{config['profile']}`), "
         "side by side, every point played against all rows at once. Gateway rows: `fleetgate serve` with "
         f"`routing.policy`. `{CLIENT_HASH}`: the client sends each request straight to the replica an MD5 of "
-        "its system prompt's name picks (the fleet's gateway only starts the replicas).",
+        "the point's seed and its system prompt's name picks (a placement per seed, as new prompt text would "
+        "give; the fleet's gateway only starts the replicas).",
         f"- **Workload**: `bench/profiles/{exp['profile']}.yaml`, open loop at "
         f"{', '.join(f'{r:g}' for r in exp['rates'])} requests/s, "
         f"seeds {', '.join(map(str, config['seeds']))}, pooled; caches pre-warmed at the middle rate "
