@@ -127,9 +127,9 @@ async def test_an_adapter_is_served_only_where_it_is_loaded(tmp_path: Path) -> N
 async def test_an_unloaded_adapter_is_loaded_once_for_concurrent_requests(tmp_path: Path) -> None:
     async with sim_with_adapters({"sql-lora": "/adapters/sql"}) as (a, lora_a), sim_with_adapters({}) as (b, lora_b):
         async with in_process_gateway(config(a, b, tmp_path), tmp_path) as (url, gw, _):
-            # base-0 is busy (requests of other gateway pods, as its last scrape said): the load
-            # goes to the least loaded replica, base-1.
-            replica_of(gw, "base-0").foreign_requests = 50.0
+            # base-0 is busy (as if 50 requests of this gateway were in flight there; a count
+            # the scrapes leave alone): the load goes to the least loaded replica, base-1.
+            replica_of(gw, "base-0").outstanding_requests = 50
             async with httpx.AsyncClient(timeout=20) as http:
                 replies = await asyncio.gather(*(chat(http, url, "chat-lora", stream=i % 2 == 1) for i in range(10)))
                 assert [r.status_code for r in replies] == [200] * 10, [r.text for r in replies]
@@ -137,7 +137,7 @@ async def test_an_unloaded_adapter_is_loaded_once_for_concurrent_requests(tmp_pa
                 assert {r.headers["x-fleetgate-replica"] for r in replies} == {"base-1"}
                 assert "chat-lora" in lora_b.modules
                 # Later requests find it loaded; the next listing agrees.
-                replica_of(gw, "base-0").foreign_requests = 0.0
+                replica_of(gw, "base-0").outstanding_requests = 0
                 await asyncio.sleep(0.5)
                 again = await asyncio.gather(*(chat(http, url, "chat-lora") for _ in range(6)))
                 assert {r.headers["x-fleetgate-replica"] for r in again} == {"base-1"}
