@@ -163,17 +163,22 @@ class BenchConfig:
 
 
 # The multi-turn workload as measured beside vllm-router (docs/routing.md): 16 system prompts,
-# 480 conversations of 4-6 turns (~2,400 requests), 12 at a time, 64-token answers; KV of
-# 20,480 tokens per replica (160 blocks: less than the 16 prompts' 22,400 tokens); one set.
+# 480 conversations of 4-6 turns (~2,400 requests), 12 at a time; one set. Sized for the
+# tiny model's 2,048-token context: a sixth turn carries the 1,200-token prompt, five
+# exchanges (a 12-word message, a 48-token answer, which the tokenizer may cut into a few
+# more tokens when the text comes back) and its own message, ~1,800 tokens. KV of 140
+# blocks per replica (17,920 tokens): less than the 16 prompts' 19,200, as in that
+# measurement (20,480 tokens against prompts of its own size).
 MULTITURN = BenchConfig(
     workload="multiturn",
     prompts=16,
-    max_tokens=64,
+    prompt_tokens=1200,
+    max_tokens=48,
     concurrency=12,
     seeds=(1,),
     rows=MULTITURN_ROWS,
     cores="per-replica",
-    kv_blocks=160,
+    kv_blocks=140,
 )
 
 
@@ -1243,7 +1248,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="vLLM's cores (uniform: apart; multi-turn: per-replica)",
     )
-    parser.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (multi-turn: 160)")
+    parser.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (multi-turn: 140)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--name", default=None, help="file stem (routing-vllm; routing-vllm-multiturn for --workload multiturn)"
