@@ -1184,9 +1184,12 @@ def multiturn_section(runs: Sequence[dict[str, Any]], level: str = "##") -> list
         "- **Rows**: every row on emptied prefix caches, `client_hash` first and last (merged). "
         "`client_hash`: straight to the replica an MD5 of the system prompt picks; `session_hash`: straight to "
         "the replica an MD5 of the conversation's id picks (vllm-router's `consistent_hash` on a session header). "
-        "Gateway rows as above; `x2` alternates requests between two gateway processes.",
+        "Gateway rows: `fleetgate serve` processes with the replicas as `url:` sources and default settings but "
+        "`routing.policy`; `x2` alternates requests between two gateway processes.",
         f"- **Split**: each replica's own `{REQUESTS_METRIC}` over the row (the simulator has no such counter: "
-        "there, what the client saw, marked `(client)`). **Hit rate**, **TTFT** as above.",
+        "there, what the client saw, marked `(client)`). **Hit rate**: the replicas' own prefix-cache hits over "
+        "queries (tokens), over the row and each quarter of its requests. **TTFT**: client-side, to the first "
+        "streamed chunk with a choice.",
         "",
     ]
     return out
