@@ -13,16 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.routing import (
-    CLIENT_HASH,
-    BenchConfig,
-    Experiment,
-    FairPlan,
-    Timing,
-    run_config,
-    with_fair_from,
-    write_outputs,
-)
+from bench.routing import BenchConfig, Experiment, FairPlan, Timing, run_config, with_fair_from, write_outputs
 from bench.routing_fleet import POLICIES, runnable_policies
 from bench.routing_metrics import FleetReading, is_good, read_fleet, request_metrics
 from capacity.stats import RequestSample
@@ -31,9 +22,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def tiny_config() -> BenchConfig:
-    # Two policies where the gateway lets us choose (the default and a baseline), else its only one;
-    # and the client-side hash, which needs no gateway policy.
-    policies = (*runnable_policies((POLICIES[0], "round_robin")), CLIENT_HASH)
+    # Two policies where the gateway lets us choose (the default and a baseline), else its only one.
+    policies = runnable_policies((POLICIES[0], "round_robin"))
     return BenchConfig(
         experiments=(
             Experiment("chat", "routing-chat", "(1) chat", rates=(1.0,), prewarm_s=1.0),
