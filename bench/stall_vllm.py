@@ -55,14 +55,13 @@ import aiohttp
 import orjson
 import yaml
 
+from bench.routing_vllm import VLLM_PYTHON, build_tiny_model
 from bench.soak import cpu_name
 from gateway.settings import hash_key
 from replicas.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "stall-vllm.md"
-VLLM_PYTHON = Path(os.environ.get("FLEETGATE_VLLM_VENV", str(ROOT / ".venv-vllm"))) / "bin" / "python"
-MODEL_DIR = ROOT / ".cache" / "tiny-llama"
 MODEL = "tiny"
 API_KEY = "sk-stall-bench"
 ADMIN_KEY = "sk-stall-bench-admin"
@@ -133,18 +132,6 @@ def gateway_config(port: int, model_dir: Path, bind: str) -> dict[str, Any]:
         "tenants": [{"id": "bench", "api_keys": [f"sha256:{hash_key(API_KEY)}"]}],
         "admin_api_keys": [f"sha256:{hash_key(ADMIN_KEY)}"],
     }
-
-
-def build_tiny_model() -> Path:
-    done = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "scripts" / "build_tiny_model.py"), "--out", str(MODEL_DIR)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=True,
-    )
-    return Path(done.stdout.strip().splitlines()[-1])
 
 
 @contextlib.contextmanager
