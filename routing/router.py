@@ -325,17 +325,16 @@ class Route:
             self.reason = decision.reason
             self.served = pool.model
             index = pool.index
-            if index is not None and request.prefix_keys and decision.reason != "stall_spill":
+            if index is not None and request.prefix_keys:
                 keys = request.prefix_keys
                 self._prefill = request.uncached_tokens(index.depth(keys, replica.id))
-                sizes, rest = request.block_tokens()
-                capacity = pool.capacity.kv_tokens(replica)
-                index.record(keys, sizes, replica.id, rest_tokens=rest, capacity_tokens=capacity)
-                if index.replicas() > len(pool.replicas):  # some left (discovery): their entries go
-                    index.retain({r.id for r in pool.replicas})
-            elif index is not None and request.prefix_keys:
                 # A stall spill is a detour: the prefix stays recorded (and homed) where it was.
-                self._prefill = request.uncached_tokens(index.depth(request.prefix_keys, replica.id))
+                if decision.reason != "stall_spill":
+                    sizes, rest = request.block_tokens()
+                    capacity = pool.capacity.kv_tokens(replica)
+                    index.record(keys, sizes, replica.id, rest_tokens=rest, capacity_tokens=capacity)
+                    if index.replicas() > len(pool.replicas):  # some left (discovery): their entries go
+                        index.retain({r.id for r in pool.replicas})
             else:
                 self._prefill = self.prompt_tokens
             router.metrics.decided(pool.model, decision.reason)
