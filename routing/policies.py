@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from dialects.base import ROLE_END
 from replicas.replica import GAUGE_KV_USAGE, Replica, ReplicaState
-from routing.prefix_placement import AnchorPlacement
+from routing.prefix_placement import AnchorPlacement, hash64
 
 # Prefix blocks: 256 characters is ~64 tokens, i.e. four of vLLM's default 16-token KV
 # blocks, so a matching block stands for KV the replica can actually reuse.
@@ -386,7 +386,7 @@ _TWO_64 = float(1 << 64)
 
 def session_hash(session: str) -> int:
     """A session key's 64-bit hash (never 0, which means no session)."""
-    return int.from_bytes(hashlib.blake2b(session.encode(), digest_size=8).digest(), "little") or 1
+    return hash64(session) or 1
 
 
 # Segments that open a conversation before its first turn (PromptView's role-tagged form).

@@ -80,9 +80,14 @@ def mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def hash64(text: str) -> int:
+    """A 64-bit hash of ``text`` (BLAKE2b): stable across processes and pods."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
 def address_seed(address: str) -> int:
     """A replica's 64-bit identity for rendezvous hashing: a hash of its address."""
-    return int.from_bytes(hashlib.blake2b(address.encode(), digest_size=8).digest(), "little")
+    return hash64(address)
 
 
 def rendezvous_weight(anchor: int, seed: int) -> int:
