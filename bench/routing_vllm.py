@@ -389,12 +389,18 @@ def requests_served(before: Reading, after: Reading, urls: Sequence[str]) -> dic
     return None if any(math.isnan(v) for v in out.values()) else out
 
 
-def multiturn_verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
-    """The multi-turn workload's bars, per conversation set: hit rate, spread, errors."""
-    out: list[tuple[str, str, str, bool]] = []
+def _by_seed(results: Sequence[RowResult]) -> dict[int, dict[str, RowResult]]:
+    """The rows of each prompt set, by name."""
     by_seed: dict[int, dict[str, RowResult]] = {}
     for r in results:
         by_seed.setdefault(r.seed, {})[r.row] = r
+    return by_seed
+
+
+def multiturn_verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
+    """The multi-turn workload's bars, per conversation set: hit rate, spread, errors."""
+    out: list[tuple[str, str, str, bool]] = []
+    by_seed = _by_seed(results)
     for seed, rows in sorted(by_seed.items()):
         ref = rows.get(REFERENCE_ROW)
         for name in (DEFAULT_ROW, f"{DEFAULT_ROW} x2"):
@@ -426,9 +432,7 @@ def multiturn_verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str
 def verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
     """The bars, per prompt set: (bar, what it asks, what was measured, passed)."""
     out: list[tuple[str, str, str, bool]] = []
-    by_seed: dict[int, dict[str, RowResult]] = {}
-    for r in results:
-        by_seed.setdefault(r.seed, {})[r.row] = r
+    by_seed = _by_seed(results)
     for seed, rows in sorted(by_seed.items()):
         ref = rows.get(REFERENCE_ROW)
         for name in (DEFAULT_ROW, f"{DEFAULT_ROW} x2"):
