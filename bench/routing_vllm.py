@@ -69,6 +69,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import aiohttp
 import orjson
+import pydantic
+import yaml
 
 from bench.routing_conversations import Conversations, ConversationSpec, build_conversations, stable_hash, turn_messages
 from bench.routing_fleet import ADMIN_KEY, MODEL, FleetSpec, PolicyFleet, TenantSpec
@@ -80,6 +82,7 @@ from replicas.fleet import Fleet
 from replicas.health import parse_vllm_metrics
 from replicas.launcher import group_members
 from replicas.replica import GAUGE_KV_CAPACITY_TOKENS
+from routing.config import AffinitySettings
 from sim.engine import CHARS_PER_TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,6 +152,8 @@ class BenchConfig:
     cores: str = "apart"
     # Blocks of KV per replica; None sizes them from the workload (``kv_share``).
     kv_blocks: int | None = None
+    # The gateway rows' ``routing.affinity`` settings beyond the defaults (``--affinity``).
+    affinity: tuple[tuple[str, Any], ...] = ()
 
     def conversation_spec(self) -> ConversationSpec:
         return ConversationSpec(
@@ -826,6 +831,18 @@ async def play_conversations(
     return played
 
 
+def gateway_extra(config: BenchConfig, replica_urls: Sequence[str]) -> dict[str, Any]:
+    """What a gateway row's configuration sets beyond the benchmark fleet's (``FleetSpec.extra``)."""
+    extra: dict[str, Any] = {
+        "models": [{"name": MODEL, "replicas": [{"url": u} for u in replica_urls]}],
+        # A gateway waiting for CPU behind busy engines must not time out connecting.
+        "upstream": {"connect_timeout_s": 15.0},
+    }
+    if config.affinity:
+        extra["routing"] = {"affinity": dict(config.affinity)}
+    return extra
+
+
 async def run_row(
     session: aiohttp.ClientSession,
     row: str,
@@ -865,11 +882,7 @@ async def run_row(
             replicas=len(replica_urls),
             tenants=(TENANT,),
             nice=0,
-            extra={
-                "models": [{"name": MODEL, "replicas": [{"url": u} for u in replica_urls]}],
-                # A gateway waiting for CPU behind busy engines must not time out connecting.
-                "upstream": {"connect_timeout_s": 15.0},
-            },
+            extra=gateway_extra(config, replica_urls),
         )
         async with contextlib.AsyncExitStack() as stack:
             gateways = [
@@ -1189,7 +1202,9 @@ def multiturn_section(runs: Sequence[dict[str, Any]], level: str = "##") -> list
         "`client_hash`: straight to the replica an MD5 of the system prompt picks; `session_hash`: straight to "
         "the replica an MD5 of the conversation's id picks (vllm-router's `consistent_hash` on a session header). "
         "Gateway rows: `fleetgate serve` processes with the replicas as `url:` sources and default settings but "
-        "`routing.policy`; `x2` alternates requests between two gateway processes.",
+        "`routing.policy`"
+        + "".join(f", `routing.affinity.{k}: {v}`" for k, v in config.get("affinity") or ())
+        + "; `x2` alternates requests between two gateway processes.",
         f"- **Split**: each replica's own `{REQUESTS_METRIC}` over the row (the simulator has no such counter: "
         "there, what the client saw, marked `(client)`). **Hit rate**: the replicas' own prefix-cache hits over "
         "queries (tokens), over the row and each quarter of its requests. **TTFT**: client-side, to the first "
@@ -1233,6 +1248,21 @@ async def run(configs: Sequence[BenchConfig], log: Callable[[str], None]) -> lis
     return [await run_engine(c, log) for c in configs]
 
 
+def affinity_settings(settings: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+    """``KEY=VALUE`` settings of ``routing.affinity``, their values read as YAML, checked by the gateway's model."""
+    pairs = []
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        if not sep or key not in AffinitySettings.model_fields:
+            raise ValueError(f"{setting!r}: KEY=VALUE with KEY one of {', '.join(AffinitySettings.model_fields)}")
+        pairs.append((key, yaml.safe_load(text)))
+    try:
+        AffinitySettings.model_validate(dict(pairs))
+    except pydantic.ValidationError as e:
+        raise ValueError(str(e)) from None
+    return tuple(pairs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=("both", "vllm", "sim"), default="both")
@@ -1256,11 +1286,22 @@ def main(argv: list[str] | None = None) -> int:
         help="vLLM's cores (uniform: apart; multi-turn: per-replica)",
     )
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (multi-turn: 140)")
+    parser.add_argument(
+        "--affinity",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a routing.affinity setting of the gateway rows, e.g. margin_requests=8 (repeatable)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--name", default=None, help="file stem (routing-vllm; routing-vllm-multiturn for --workload multiturn)"
     )
     args = parser.parse_args(argv)
+    try:
+        affinity = affinity_settings(args.affinity)
+    except ValueError as e:
+        parser.error(f"--affinity: {e}")
     workloads = tuple(w.strip() for w in args.workload.split(","))
     if not workloads or set(workloads) - set(WORKLOADS):
         parser.error(f"--workload: of {', '.join(WORKLOADS)}")
@@ -1281,6 +1322,8 @@ def main(argv: list[str] | None = None) -> int:
             base = dataclasses.replace(base, cores=args.cores)
         if args.kv_blocks:
             base = dataclasses.replace(base, kv_blocks=args.kv_blocks)
+        if affinity:
+            base = dataclasses.replace(base, affinity=tuple(affinity))
         if args.seeds:
             base = dataclasses.replace(base, seeds=tuple(int(s) for s in args.seeds.split(",")))
         if args.rows:

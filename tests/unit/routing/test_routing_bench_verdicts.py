@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
-from bench.routing_vllm import ROWS, RowResult, merge, row_order, verdicts
+import dataclasses
+
+import pytest
+
+from bench.routing_fleet import FleetSpec, gateway_config
+from bench.routing_vllm import (
+    MULTITURN,
+    ROWS,
+    RowResult,
+    affinity_settings,
+    gateway_extra,
+    merge,
+    row_order,
+    verdicts,
+)
+from gateway.settings import Settings
+from routing.config import AffinitySettings
 
 
 def _row(row: str, seed: int, ttft_ms: float, hit: float = 0.9, requests: int = 10) -> RowResult:
@@ -43,3 +59,20 @@ def test_ttft_is_judged_over_every_set_not_one_set_at_a_time() -> None:
 
     slow = [*results[:2], _row("client_hash", 2, 100), _row("prefix_affinity", 2, 130)]
     assert [v[3] for v in verdicts(slow) if "TTFT" in v[0]] == [False]
+
+
+def test_affinity_settings_reach_the_gateway_rows_config_beside_the_policy() -> None:
+    config = dataclasses.replace(MULTITURN, affinity=affinity_settings(["margin_requests=8", "hot_share=0.75"]))
+    spec = FleetSpec(policy="prefix_affinity", replicas=2, extra=gateway_extra(config, ["http://127.0.0.1:9"]))
+    settings = Settings.model_validate(gateway_config(spec, port=8080))
+    assert settings.routing.policy == "prefix_affinity"
+    assert settings.routing.affinity.margin_requests == 8
+    assert settings.routing.affinity.hot_share == 0.75
+    assert settings.routing.affinity.factor == AffinitySettings().factor  # the rest at their defaults
+    assert "affinity" not in gateway_extra(MULTITURN, ["http://127.0.0.1:9"]).get("routing", {})
+
+
+@pytest.mark.parametrize("setting", ["margin=8", "margin_requests", "margin_requests=-1", "hot_share=none"])
+def test_an_unknown_or_invalid_affinity_setting_is_refused(setting: str) -> None:
+    with pytest.raises(ValueError):
+        affinity_settings([setting])
