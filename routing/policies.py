@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from dialects.base import ROLE_END
 from replicas.replica import GAUGE_KV_USAGE, Replica, ReplicaState
+from routing.prefix_index import PrefixIndex
 from routing.prefix_placement import AnchorPlacement, hash64
 
 # Prefix blocks: 256 characters is ~64 tokens, i.e. four of vLLM's default 16-token KV
@@ -60,6 +61,11 @@ class RouteRequest:
     # its conversation's opening turn (``conversation_key``); 0 when there is none.
     session: int = 0
     conversation: int = 0
+    # The leading keys that cover the system prompt alone (``opening``): a replica holding
+    # more of them holds this conversation's own history.
+    preamble_blocks: int = 0
+    # Whether the prompt is a conversation's first turn, not a later one that resends it.
+    opens: bool = True
 
     def block_tokens(self) -> tuple[tuple[int, ...], int]:
         """Tokens of each keyed block (at least one each), and what else the request puts in a KV cache.
@@ -242,10 +248,13 @@ class PrefixAffinity:
     (rendezvous hashing), with the prefix's homes first: ``AnchorPlacement`` homes the
     prefixes in use on their first choices, except where a hash would split the working
     set between the replicas' caches unevenly, and gives a hot prefix as many homes as its
-    share of the traffic calls for. Among a hot prefix's homes the request's ``session``
-    chooses, by rendezvous hashing again: every turn of a conversation (or every request
-    of a client's session key) goes to the same home, on every pod, and conversations
-    spread evenly over the homes. The request goes to the first replica of that order
+    share of the traffic calls for. Among a hot prefix's homes, a conversation goes on to
+    the home the pool's prefix index (``index``) says holds its own earlier turns (more of
+    its blocks than its system prompt fills), so a spill or a change of the homes' parts
+    does not move it away from its history; a conversation new to the pod is placed by its
+    ``session``, by weighted rendezvous hashing: every turn of a conversation (or every
+    request of a client's session key) goes to the same home, on every pod, and
+    conversations spread over the homes by their parts. The request goes to the first replica of that order
     within the ``LoadBound`` (``affinity``), or to a later one when those before it are
     over the bound (``affinity_spill``). A prompt shorter than the anchor goes to the
     least busy replica (``no_prefix``): fewest requests in flight, then least
@@ -287,6 +296,7 @@ class PrefixAffinity:
         anchor_blocks: int = 4,
         placement: AnchorPlacement | None = None,
         members: Sequence[Replica] | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         if anchor_blocks < 1:
             raise ValueError("anchor_blocks must be at least 1")
@@ -296,6 +306,7 @@ class PrefixAffinity:
         self._anchor = anchor_blocks
         self.placement = placement if placement is not None else AnchorPlacement()
         self._members = members
+        self._index = index
 
     def pick(
         self, replicas: Sequence[Replica], request: RouteRequest, now: float, exclude: Collection[str] = ()
@@ -317,24 +328,38 @@ class PrefixAffinity:
         members = self._members if self._members is not None else replicas
         addresses = [r.base_url for r in members if r.state is ReplicaState.HEALTHY]
         # A retry (``exclude``) is the same request, not one more use of the prefix.
-        homes = self.placement.homes_of(anchor, addresses or [r.base_url for r in candidates], now, seen=not exclude)
+        homes = self.placement.homes_of(
+            anchor, addresses or [r.base_url for r in candidates], now, seen=not exclude, opens=request.opens
+        )
         if not homes:  # seen once, where new prefixes seldom come back: by load
             return Decision(self._least_busy(candidates), "new_prefix")
         session = request.session or request.conversation or anchor
+        history = self._history if len(homes) > 1 else None
 
-        def rank(replica: Replica) -> tuple[int, float]:
-            """Homes first (by the session's weighted order among them), then the prefix's order."""
+        def rank(replica: Replica) -> tuple[int, int, float]:
+            """Homes first (the one holding the conversation's history, else by the session's
+            weighted order among them), then the prefix's order."""
             address = replica.base_url
             part = homes.get(address)
             if part is None:
-                return 0, weight(anchor, address)
-            return 1, part / -math.log((weight(session, address) + 0.5) / _TWO_64) if len(homes) > 1 else 0.0
+                return 0, 0, weight(anchor, address)
+            if history is None:
+                return 1, 0, 0.0
+            return 1, history(request, replica), part / -math.log((weight(session, address) + 0.5) / _TWO_64)
 
         best = self._first_within_bound(candidates, rank)
         if best.base_url in homes:
             return Decision(best, "affinity")
         # Not at home: past the bound, home stalled, or home not a candidate (tried already, or full).
         return Decision(best, "stall_spill" if stalled.intersection(homes) else "affinity_spill")
+
+    def _history(self, request: RouteRequest, replica: Replica) -> int:
+        """How many blocks of the conversation's own turns (past its system prompt) the pool's
+        prefix index says ``replica`` holds: 0 for none, or without an index."""
+        if self._index is None:
+            return 0
+        depth = self._index.depth(request.prefix_keys, replica.id)
+        return depth if depth > request.preamble_blocks else 0
 
     def _first_within_bound(self, candidates: list[Replica], rank: Callable[[Replica], Any]) -> Replica:
         """The highest-ranked candidate within the ``LoadBound`` (the least busy when none is)."""
@@ -393,15 +418,40 @@ def session_hash(session: str) -> int:
 _PREAMBLE_ROLES = (f"system{ROLE_END}", f"developer{ROLE_END}")
 
 
-def conversation_key(segments: Sequence[str], max_chars: int = 4096) -> int:
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """Where a prompt's conversation begins: its system prompt, and its first other turn."""
+
+    # Characters of the leading system (and developer) segments.
+    preamble_chars: int
+    # The index of the first other segment (``len(segments)`` when there is none).
+    first_turn: int
+    # Whether nothing follows that turn: the prompt is the conversation's first request.
+    opens: bool
+
+
+def opening(segments: Sequence[str]) -> Opening:
+    """The system prompt's length and the first turn of ``segments`` (a prompt's role-tagged form)."""
+    chars = 0
+    for i, segment in enumerate(segments):
+        if not segment.startswith(_PREAMBLE_ROLES):
+            return Opening(chars, i, i == len(segments) - 1)
+        chars += len(segment)
+    return Opening(chars, len(segments), True)
+
+
+def conversation_key(segments: Sequence[str], max_chars: int = 4096, first_turn: int | None = None) -> int:
     """What stands for a conversation's session when the client names none: a hash of its
     opening, up to and with its first turn that is not a system prompt (the last
     ``max_chars`` characters of that: the turn, and the end of the system prompt), so every
-    later turn of it gets the same key; 0 for no prompt."""
-    for i, segment in enumerate(segments):
-        if not segment.startswith(_PREAMBLE_ROLES):
-            return session_hash("".join(segments[: i + 1])[-max_chars:])
-    return session_hash(segments[-1][:max_chars]) if segments else 0
+    later turn of it gets the same key; 0 for no prompt. ``first_turn``: that turn's index,
+    when the caller has it (``opening``)."""
+    if not segments:
+        return 0
+    i = opening(segments).first_turn if first_turn is None else first_turn
+    if i < len(segments):
+        return session_hash("".join(segments[: i + 1])[-max_chars:])
+    return session_hash(segments[-1][:max_chars])
 
 
 def _argmin(

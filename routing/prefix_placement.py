@@ -35,9 +35,11 @@ most. A pass costs O(prefixes in use x replicas) on the request that triggers it
 A hot prefix gets more than one home. Homes balance how many prefixes each replica caches,
 not their traffic: with 16 prompts of Zipf popularity over two replicas, one replica took
 74% of the requests, and at a dozen concurrent conversations the load bound never spilled.
-So each prefix in use carries a decayed count of its placements (time constant
-``rate_window_s``), and its share of the pool's placements says how many replicas it
-needs: one while it carries at most ``hot_share`` of a replica's fair share (``1 / n`` of
+So each prefix in use carries a decayed count of the conversations it opened (time
+constant ``rate_window_s``): first turns only, since a conversation's later turns come as
+fast as its replica answers them, and counting those made a slow, crowded home's prefixes
+look rare and drew more of a hot prefix onto it. Its share of the pool's count says how
+many replicas it needs: one while it carries at most ``hot_share`` of a replica's fair share (``1 / n`` of
 the traffic), then ``ceil(share * n / hot_share)``, up to every replica (``spread``). Its
 extra homes are the next replicas of its rendezvous order, so they too are the same on
 every pod; a pod's shares are its own, but pods behind one Service see the same mix of
@@ -97,8 +99,8 @@ def rendezvous_weight(anchor: int, seed: int) -> int:
 
 # The least part of its fair share a hot prefix's home takes, however loaded (``_split``).
 _MIN_PART = 0.05
-# A hot prefix is spread only once the pool's decayed placement count reaches this: the
-# shares of the first few requests say little yet.
+# A hot prefix is spread only once the pool's decayed count of opened conversations
+# reaches this: the shares of the first few say little yet.
 _MIN_EVIDENCE = 32.0
 
 
@@ -108,7 +110,7 @@ class _Anchor:
     last_seen: float
     # The replicas in the anchor's rendezvous order (for the members it was computed with).
     order: tuple[str, ...] = field(default=())
-    # Its placements, decayed with time constant ``rate_window_s`` as of ``counted_at``.
+    # The conversations it opened, decayed with time constant ``rate_window_s`` as of ``counted_at``.
     weight: float = 0.0
     counted_at: float = 0.0
 
@@ -201,7 +203,7 @@ class AnchorPlacement:
             self._one_off += 1.0
 
     def share(self, anchor: int, now: float) -> float:
-        """``anchor``'s share of the pool's recent placements (0 for one not remembered)."""
+        """``anchor``'s share of the pool's recently opened conversations (0 for one not remembered)."""
         entry = self._anchors.get(anchor)
         if entry is None or self._total <= 0:
             return 0.0
@@ -210,12 +212,14 @@ class AnchorPlacement:
     def _decayed(self, weight: float, since: float, now: float) -> float:
         return weight * math.exp(-max(0.0, now - since) / self.rate_window_s)
 
-    def homes_of(self, anchor: int, members: Sequence[str], now: float, *, seen: bool = True) -> dict[str, float]:
+    def homes_of(
+        self, anchor: int, members: Sequence[str], now: float, *, seen: bool = True, opens: bool = True
+    ) -> dict[str, float]:
         """Every home of ``anchor`` among ``members`` with the part of its traffic each should
         take, its first home (``home``) first; empty where ``home`` is None. More than one
         for a hot prefix: the next replicas of its order, each taking what the traffic of
         the prefixes homed on it leaves of its fair share (``_parts``)."""
-        home = self.home(anchor, members, now, seen=seen)
+        home = self.home(anchor, members, now, seen=seen, opens=opens)
         if home is None:
             return {}
         if self.spread(anchor, now) <= 1:
@@ -277,8 +281,11 @@ class AnchorPlacement:
         self._total = self._decayed(self._total, self._total_at, now) + 1.0
         self._total_at = now
 
-    def home(self, anchor: int, members: Sequence[str], now: float, *, seen: bool = True) -> str | None:
-        """Where ``anchor`` lives among ``members`` (never empty); ``seen``: this is one more use of it.
+    def home(
+        self, anchor: int, members: Sequence[str], now: float, *, seen: bool = True, opens: bool = True
+    ) -> str | None:
+        """Where ``anchor`` lives among ``members`` (never empty); ``seen``: this is one more use
+        of it, and ``opens``: one that begins a conversation (only those count towards its share).
 
         A prefix the last pass did not home goes to its first choice, where the next pass
         most likely puts it; once it is in use, that home is kept until the pass.
@@ -296,7 +303,8 @@ class AnchorPlacement:
             anchors.move_to_end(anchor)
         entry.last_seen = now
         if seen:
-            self._count(entry, now)
+            if opens:
+                self._count(entry, now)
             entry.seen += 1
             if entry.seen == 1:
                 pending = self._pending

@@ -19,6 +19,7 @@ Nothing here awaits: the waiting (fair queue) is ``routing.admission``, the send
 
 from __future__ import annotations
 
+import bisect
 import functools
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -49,6 +50,7 @@ from routing.policies import (
     RoundRobin,
     RouteRequest,
     conversation_key,
+    opening,
     prefix_keys,
     session_hash,
 )
@@ -100,10 +102,12 @@ def make_policy(
     load: LoadModel,
     affinity: AffinitySettings,
     members: Sequence[Replica] | None = None,
+    index: PrefixIndex | None = None,
 ) -> Policy:
     """A fresh policy instance (each pool owns its own: round robin keeps a counter).
 
-    ``members`` is the pool's own replica list (updated in place by discovery).
+    ``members`` is the pool's own replica list (updated in place by discovery); ``index``
+    its prefix index.
     """
     if name == "prefix_affinity":
         bound = LoadBound(affinity.factor, affinity.margin_requests)
@@ -115,7 +119,7 @@ def make_policy(
             hot_share=affinity.hot_share,
             rate_window_s=affinity.rate_window_s,
         )
-        return PrefixAffinity(rng, load, bound, affinity.anchor_blocks, placement, members)
+        return PrefixAffinity(rng, load, bound, affinity.anchor_blocks, placement, members, index)
     if name == "least_outstanding_tokens":
         return LeastOutstandingTokens(rng, load)
     if name == "least_requests":
@@ -478,7 +482,7 @@ class Router:
             pools[spec.model] = Pool(
                 spec.model,
                 members,
-                make_policy(settings.policy, rng, load, settings.affinity, members),
+                make_policy(settings.policy, rng, load, settings.affinity, members, index),
                 capacity,
                 RetryBudget(rb.ratio, rb.min_per_s, rb.burst, now),
                 admission,
@@ -581,13 +585,19 @@ class Router:
         if not self._wants_keys:
             return RouteRequest((), prompt_tokens, max_tokens)
         a = self._affinity
-        keys, ends, chars = prefix_keys(
-            prompt.segments, a.block_chars, a.max_blocks, a.coarse_block_chars, a.max_prefix_chars
-        )
-        if session:
-            return RouteRequest(keys, prompt_tokens, max_tokens, ends, chars, session=session_hash(session))
+        segments = prompt.segments
+        keys, ends, chars = prefix_keys(segments, a.block_chars, a.max_blocks, a.coarse_block_chars, a.max_prefix_chars)
+        start = opening(segments)
         return RouteRequest(
-            keys, prompt_tokens, max_tokens, ends, chars, conversation=conversation_key(prompt.segments)
+            keys,
+            prompt_tokens,
+            max_tokens,
+            ends,
+            chars,
+            session=session_hash(session) if session else 0,
+            conversation=0 if session else conversation_key(segments, first_turn=start.first_turn),
+            preamble_blocks=bisect.bisect_right(ends, start.preamble_chars),
+            opens=start.opens,
         )
 
     def set_weights(self, weights: Mapping[str, float]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from common.breaker import BreakerConfig, CircuitBreaker
@@ -20,6 +21,7 @@ from routing.policies import (
     prefix_keys,
     session_hash,
 )
+from routing.prefix_index import PrefixIndex
 from routing.prefix_placement import AnchorPlacement
 
 
@@ -408,6 +410,70 @@ def test_a_session_key_chooses_among_a_hot_prefixs_homes_alike_on_every_pod() ->
         where.setdefault(session, set()).add(pick(i, session, 1.0 + i * 0.01).id)
     assert all(len(w) == 1 for w in where.values()), where  # each session on one replica, from either pod
     assert {next(iter(w)) for w in where.values()} == set("abcd")
+
+
+def hot_pair() -> tuple[PrefixAffinity, PrefixIndex, list[Replica]]:
+    """Two replicas, a prefix index, and SYSTEM_A hot enough to have both replicas as homes."""
+    rs = [replica("a"), replica("b")]
+    index = PrefixIndex()
+    policy = PrefixAffinity(random.Random(1), members=rs, index=index)
+    for i in range(64):
+        policy.pick(rs, req(SYSTEM_A, f"warm-up {i}"), i * 0.01)
+    assert len(policy.placement.homes_of(req(SYSTEM_A).prefix_keys[3], ["http://a", "http://b"], 1.0)) == 2
+    return policy, index, rs
+
+
+def record(index: PrefixIndex, request: RouteRequest, r: Replica) -> None:
+    """What the router does with a pick: the replica now holds the request's prefix."""
+    index.record(request.prefix_keys, request.block_tokens()[0], r.id)
+
+
+def turns(system: str, user: str, n: int) -> list[RouteRequest]:
+    """``conversation``'s requests with what the router adds: the system prompt's blocks, and
+    whether the turn opens the conversation."""
+    out = []
+    for i, r in enumerate(conversation(system, user, n)):
+        preamble = len(prefix_keys(chat(system, "")[:1])[0])
+        out.append(dataclasses.replace(r, preamble_blocks=preamble, opens=i == 0))
+    return out
+
+
+def test_a_conversation_of_a_hot_prefix_follows_its_history_to_the_home_that_holds_it() -> None:
+    """Its next turn goes where the index says its turns are cached, not where its hash would
+    pick now (after a spill, or after the homes' parts moved)."""
+    policy, index, rs = hot_pair()
+    by_id = {r.id: r for r in rs}
+    first, second, third = turns(SYSTEM_A, "a question", 3)
+    chosen = policy.pick(rs, first, 2.0).replica
+    assert chosen is not None
+    record(index, first, chosen)
+    other = by_id["b" if chosen.id == "a" else "a"]
+    record(index, second, other)  # the second turn went to the other home (a spill)
+    assert policy.pick(rs, third, 2.1) == Decision(other, "affinity")
+    without_index = PrefixAffinity(random.Random(1), members=rs, placement=policy.placement)
+    assert without_index.pick(rs, third, 2.1).replica is chosen  # by its hash alone
+
+
+def test_new_conversations_of_a_hot_prefix_spread_even_where_one_home_holds_more_of_the_system_prompt() -> None:
+    """The system prompt cached on one home only is not a conversation's history: new
+    conversations still take each home by their hash."""
+    policy, index, rs = hot_pair()
+    record(index, req(SYSTEM_A, "x" * 2000), rs[0])  # only "a" is known to hold the prompt
+    picks = {policy.pick(rs, turns(SYSTEM_A, f"new {i}", 1)[0], 2.0).replica.id for i in range(40)}  # type: ignore[union-attr]
+    assert picks == {"a", "b"}
+
+
+def test_only_a_conversations_first_turn_counts_towards_its_prefixs_share() -> None:
+    """Later turns come as fast as the replica answers them, so counting them would make a
+    slow home's prefixes look rare; a prefix's share counts the conversations it opens."""
+    placement = AnchorPlacement()
+    members = ["http://a", "http://b"]
+    for i in range(20):
+        placement.homes_of(1, members, i * 0.01)
+        placement.homes_of(2, members, i * 0.01)
+        for _ in range(4):
+            placement.homes_of(2, members, i * 0.01, opens=False)
+    assert placement.share(1, 1.0) == placement.share(2, 1.0) == 0.5
 
 
 def test_a_session_places_a_prompt_too_short_for_an_anchor() -> None:

@@ -412,3 +412,25 @@ def test_a_session_key_reaches_the_policy_as_its_hash() -> None:
         }
     )
     assert router.route_request(later, 500, 10).conversation == without.conversation
+
+
+def test_the_policy_learns_where_the_system_prompt_ends_and_whether_a_turn_opens_its_conversation() -> None:
+    router, _ = build([PoolSpec("m", "t")], {"m": [replica("m", 0)]})
+    first = router.route_request(chat("a long question " * 40, system=SYSTEM), 500, 10)
+    system_only = router.route_request(chat("", system=SYSTEM), 500, 10)
+    assert first.opens
+    # Blocks wholly within the system prompt: every block the system prompt alone fills.
+    assert 0 < first.preamble_blocks == len(system_only.prefix_keys) < len(first.prefix_keys)
+    later = CHAT.prompt(
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "a question"},
+                {"role": "assistant", "content": "an answer"},
+                {"role": "user", "content": "another"},
+            ]
+        }
+    )
+    turn = router.route_request(later, 500, 10, "conversation-7")
+    assert not turn.opens and turn.preamble_blocks == first.preamble_blocks
+    assert router.route_request(chat("no system prompt here " * 40), 500, 10).preamble_blocks == 0
