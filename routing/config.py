@@ -97,7 +97,7 @@ class AffinitySettings(_Frozen):
     active_window_s: float = Field(600.0, gt=0)
     # A prefix carrying more than hot_share of one replica's fair share of the pool's
     # traffic is spread over ceil(share x replicas / hot_share) replicas, its share counted
-    # over placements decayed with time constant rate_window_s.
+    # over the conversations it opens (first turns), decayed with time constant rate_window_s.
     hot_share: float = Field(0.5, gt=0)
     rate_window_s: float = Field(60.0, gt=0)
     # Where a request's session key comes from, the first present wins: "header:<name>" (a
