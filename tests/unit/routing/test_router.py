@@ -393,6 +393,17 @@ def test_a_stall_spill_leaves_the_prefix_recorded_where_it_was() -> None:
     assert index.depth(keys, home.id) == len(keys) and index.depth(keys, other.id) == 0
 
 
+def second_turn() -> PromptView:
+    """The second turn of the conversation ``chat("a question", system=SYSTEM)`` opens."""
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "a question"},
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": "another"},
+    ]
+    return CHAT.prompt({"messages": messages})
+
+
 def test_a_session_key_reaches_the_policy_as_its_hash() -> None:
     router, _ = build([PoolSpec("m", "t")], {"m": [replica("m", 0)]})
     prompt = chat("a question", system=SYSTEM)
@@ -401,17 +412,7 @@ def test_a_session_key_reaches_the_policy_as_its_hash() -> None:
     without = router.route_request(prompt, 500, 10)
     assert without.session == 0 and without.conversation == conversation_key(prompt.segments) != 0
     # A later turn of the same conversation keeps its key.
-    later = CHAT.prompt(
-        {
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "a question"},
-                {"role": "assistant", "content": "an answer"},
-                {"role": "user", "content": "another"},
-            ]
-        }
-    )
-    assert router.route_request(later, 500, 10).conversation == without.conversation
+    assert router.route_request(second_turn(), 500, 10).conversation == without.conversation
 
 
 def test_the_policy_learns_where_the_system_prompt_ends_and_whether_a_turn_opens_its_conversation() -> None:
@@ -421,16 +422,6 @@ def test_the_policy_learns_where_the_system_prompt_ends_and_whether_a_turn_opens
     assert first.opens
     # Blocks wholly within the system prompt: every block the system prompt alone fills.
     assert 0 < first.preamble_blocks == len(system_only.prefix_keys) < len(first.prefix_keys)
-    later = CHAT.prompt(
-        {
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "a question"},
-                {"role": "assistant", "content": "an answer"},
-                {"role": "user", "content": "another"},
-            ]
-        }
-    )
-    turn = router.route_request(later, 500, 10, "conversation-7")
+    turn = router.route_request(second_turn(), 500, 10, "conversation-7")
     assert not turn.opens and turn.preamble_blocks == first.preamble_blocks
     assert router.route_request(chat("no system prompt here " * 40), 500, 10).preamble_blocks == 0
