@@ -10,13 +10,24 @@ metrics), its claim on the replica and its release, ``finished()`` and the acces
 fields. "classify + route" adds ``choose_tier`` and the debug header (``auto`` requests
 only). Best of ``--repeat`` runs of ``--calls`` requests: on a shared machine the minimum is
 the least disturbed figure, and even it is an upper bound.
+
+    .venv/bin/python bench/route_cost.py --base REF [--rounds 5]
+
+measures "route" with the default policy (``prefix_affinity``) in this checkout and in the
+repository at ``REF`` (unpacked with ``git archive``), each in a fresh process, the two
+alternating in every round, and writes the medians and the ratio new / base of each round
+to ``bench/results/route-cost-vs-REF.md``: a change's cost per request, read in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from prometheus_client import CollectorRegistry
 
+from bench.overhead import base_tree
 from common.breaker import BreakerConfig, CircuitBreaker
 from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Replica, ReplicaState
 from routing.config import RoutingSettings
@@ -106,11 +118,73 @@ def measure(policy: str, classify: bool, calls: int, repeat: int) -> float:
     return best * 1e6
 
 
+# Run in the tree under test (PYTHONPATH): microseconds per request for the default policy.
+_CHILD = "import sys; from bench.route_cost import measure; print(measure('prefix_affinity', False, {}, {}))"
+
+
+def _measure_tree(tree: Path, calls: int, repeat: int) -> float:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD.format(calls, repeat)],
+        cwd=tree,
+        env={"PYTHONPATH": str(tree), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring {tree} failed:\n{done.stderr}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def compare(ref: str, rounds: int, calls: int, repeat: int) -> Path:
+    """ "route" here and at ``ref``, alternating; the report's path."""
+    root = Path(__file__).resolve().parents[1]
+    short = subprocess.run(["git", "rev-parse", "--short", ref], cwd=root, capture_output=True, text=True, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+    base_ref, commit = short.stdout.strip(), head.stdout.strip()
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    new: list[float] = []
+    old: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="route-cost-") as tmp:
+        base = base_tree(base_ref, Path(tmp))
+        for k in range(rounds):
+            trees = [(new, root), (old, base)] if k % 2 == 0 else [(old, base), (new, root)]
+            for into, tree in trees:
+                into.append(_measure_tree(tree, calls, repeat))
+            print(f"[{k + 1}/{rounds}] new {new[-1]:.1f} us, base {old[-1]:.1f} us", flush=True)
+    ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(new, old, strict=True))
+    text = "\n".join(
+        [
+            f"# The cost of routing a request: `{commit}` against `{base_ref}`",
+            "",
+            f"`bench/route_cost.py --base {ref} --rounds {rounds} --calls {calls} --repeat {repeat}` ({started}).",
+            "",
+            "| policy | base | new | new / base (per round) |",
+            "| --- | ---: | ---: | --- |",
+            f"| `prefix_affinity`, route | {statistics.median(old):.1f} us | {statistics.median(new):.1f} us "
+            f"| {statistics.median(new) / statistics.median(old):.3f} ({ratios}) |",
+            "",
+            "Method: " + " ".join(__doc__.split("\n\n")[2].split()) + " In each round both trees run "
+            "in a fresh process, one after the other, the order alternating between rounds.",
+            "",
+        ]
+    )
+    out = root / "bench" / "results" / f"route-cost-vs-{base_ref}.md"
+    out.write_text(text)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--base", default=None, help="git ref: measure route against it, in the same run")
+    parser.add_argument("--rounds", type=int, default=5, help="with --base: alternating rounds")
     args = parser.parse_args()
+    if args.base:
+        print(compare(args.base, args.rounds, args.calls, args.repeat).read_text())
+        return
     print("| policy | route | classify + route |")
     print("| --- | ---: | ---: |")
     for policy in POLICIES:
