@@ -254,12 +254,12 @@ class PrefixAffinity:
     does not move it away from its history; a conversation new to the pod is placed by its
     ``session``, by weighted rendezvous hashing: every turn of a conversation (or every
     request of a client's session key) goes to the same home, on every pod, and
-    conversations spread over the homes by their parts. The request goes to the first replica of that order
-    within the ``LoadBound`` (``affinity``), or to a later one when those before it are
-    over the bound (``affinity_spill``). A prompt shorter than the anchor goes to the
-    least busy replica (``no_prefix``): fewest requests in flight, then least
-    ``effective_load``; with a session, to the first of the session's own order within the
-    bound (``session``). So does a prefix seen for the first time in a pool where new
+    conversations spread over the homes by their parts. The request goes to the first
+    replica of that order within the ``LoadBound`` (``affinity``), or to a later one when
+    those before it are over the bound (``affinity_spill``). A prompt shorter than the
+    anchor goes to the least busy replica (``no_prefix``): fewest requests in flight, then
+    least ``effective_load``; with a session, to the first of the session's own order
+    within the bound (``session``). So does a prefix seen for the first time in a pool where new
     prefixes seldom come back (``new_prefix``, ``AnchorPlacement.reuse``).
 
     A *stalled* replica (``Replica.stalled``: holding requests, none of which got a byte

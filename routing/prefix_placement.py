@@ -39,8 +39,9 @@ So each prefix in use carries a decayed count of the conversations it opened (ti
 constant ``rate_window_s``): first turns only, since a conversation's later turns come as
 fast as its replica answers them, and counting those made a slow, crowded home's prefixes
 look rare and drew more of a hot prefix onto it. Its share of the pool's count says how
-many replicas it needs: one while it carries at most ``hot_share`` of a replica's fair share (``1 / n`` of
-the traffic), then ``ceil(share * n / hot_share)``, up to every replica (``spread``). Its
+many replicas it needs: one while it carries at most ``hot_share`` of a replica's fair
+share (``1 / n`` of the traffic), then ``ceil(share * n / hot_share)``, up to every
+replica (``spread``). Its
 extra homes are the next replicas of its rendezvous order, so they too are the same on
 every pod; a pod's shares are its own, but pods behind one Service see the same mix of
 prompts, and the count is a function of the share alone (no memory of how it got there:
