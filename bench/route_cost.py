@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from prometheus_client import CollectorRegistry
 
-from bench.overhead import base_tree
+from bench.overhead import RESULTS, ROOT, base_tree
 from common.breaker import BreakerConfig, CircuitBreaker
 from replicas.replica import GAUGE_KV_USAGE, GAUGE_RUNNING, GAUGE_WAITING, Replica, ReplicaState
 from routing.config import RoutingSettings
@@ -137,19 +137,22 @@ def _measure_tree(tree: Path, calls: int, repeat: int) -> float:
     return float(done.stdout.strip().splitlines()[-1])
 
 
+def _short(ref: str) -> str:
+    """``ref``'s abbreviated commit id."""
+    done = subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
 def compare(ref: str, rounds: int, calls: int, repeat: int) -> Path:
     """ "route" here and at ``ref``, alternating; the report's path."""
-    root = Path(__file__).resolve().parents[1]
-    short = subprocess.run(["git", "rev-parse", "--short", ref], cwd=root, capture_output=True, text=True, check=True)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-    base_ref, commit = short.stdout.strip(), head.stdout.strip()
+    base_ref, commit = _short(ref), _short("HEAD")
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     new: list[float] = []
     old: list[float] = []
     with tempfile.TemporaryDirectory(prefix="route-cost-") as tmp:
         base = base_tree(base_ref, Path(tmp))
         for k in range(rounds):
-            trees = [(new, root), (old, base)] if k % 2 == 0 else [(old, base), (new, root)]
+            trees = [(new, ROOT), (old, base)] if k % 2 == 0 else [(old, base), (new, ROOT)]
             for into, tree in trees:
                 into.append(_measure_tree(tree, calls, repeat))
             print(f"[{k + 1}/{rounds}] new {new[-1]:.1f} us, base {old[-1]:.1f} us", flush=True)
@@ -170,7 +173,7 @@ def compare(ref: str, rounds: int, calls: int, repeat: int) -> Path:
             "",
         ]
     )
-    out = root / "bench" / "results" / f"route-cost-vs-{base_ref}.md"
+    out = RESULTS / f"route-cost-vs-{base_ref}.md"
     out.write_text(text)
     return out
 

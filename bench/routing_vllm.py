@@ -1323,7 +1323,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.kv_blocks:
             base = dataclasses.replace(base, kv_blocks=args.kv_blocks)
         if affinity:
-            base = dataclasses.replace(base, affinity=tuple(affinity))
+            base = dataclasses.replace(base, affinity=affinity)
         if args.seeds:
             base = dataclasses.replace(base, seeds=tuple(int(s) for s in args.seeds.split(",")))
         if args.rows:
