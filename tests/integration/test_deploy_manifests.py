@@ -91,6 +91,8 @@ def test_gateway_pod_is_restricted_probed_and_drains_within_its_grace(
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["timeoutSeconds"] >= 1, probe
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # The base's images: tag, which an overlay patch that names the image would undo (latest).
+    assert c["image"] == "fleetgate:0.1.0"
     assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
     assert pod["topologySpreadConstraints"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
