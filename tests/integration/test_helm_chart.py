@@ -292,3 +292,20 @@ def test_dashboard_and_alerts_are_the_deploy_files() -> None:
     assert json.loads(dashboard["data"]["fleetgate.json"]) == expected
     rules = yaml.safe_load((DEPLOY / "kubernetes/base/prometheusrule.yaml").read_text())
     assert one(objects, "PrometheusRule", "fleetgate")["spec"] == rules["spec"]
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"replicas": 3}, "additional properties 'replicas' not allowed"),
+        ({"replicaCount": "three"}, "/replicaCount"),
+        ({"redis": {"url": "http://redis:6379"}}, "/redis/url"),
+        ({"keda": {"scaledObjects": [{"name": "vllm"}]}}, "model"),
+    ],
+)
+def test_schema_refuses_misspelt_or_mistyped_values(values: dict[str, Any], where: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError, match=re.escape(where)):
+        render_chart(values)
+    # helm lint says so too: the lint test above would see it.
+    report = helm_python.lint(CHART, values)
+    assert any(where in m["error"] for m in report["messages"] if m["severity"] == 3)
