@@ -1,25 +1,30 @@
-"""What a finished request leaves behind: limits settled, metrics, one access-log line, spans.
+"""What a finished request leaves behind: metrics, one access-log line, spans.
 
-``Accounting.close`` runs once per request, after the response, however the request ended
-(answered, refused, failed, or left by its client). Settling the limiter's lease happens in
-the background when its store is remote: the response never waits for Redis.
+``Accounting.close`` runs once per request of the request path, after the response, however
+the request ended (answered, refused, failed, or left by its client); ``record_plain`` writes
+the line of a request answered beside it (models, stored responses, probes, 404s). Every
+line carries the request's method and path.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from gateway.exchange import Exchange
+from aiohttp import web
+
+from gateway.exchange import Exchange, request_id
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.spans import Outcome, RequestSpans
-from limits.decision import Lease
-from limits.limiter import Limiter
 
 log = logging.getLogger("fleetgate.app")
+
+# Where a request answered beside the request path keeps its id and, once authenticated,
+# its tenant (for its response and its log line).
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+TENANT_KEY = web.RequestKey("tenant", str)
 
 
 class Accounting:
@@ -29,7 +34,6 @@ class Accounting:
         self,
         metrics: GatewayMetrics,
         access_log: AccessLog,
-        limiter: Limiter,
         spans: RequestSpans | None,
         clock: Callable[[], float],
         *,
@@ -37,34 +41,21 @@ class Accounting:
     ) -> None:
         self.metrics = metrics
         self.access_log = access_log
-        self.limiter = limiter
         self.spans = spans
         self.clock = clock
         self.log_prompts = log_prompts
-        self._background: set[asyncio.Task[None]] = set()
+
+    def open(self) -> None:
+        """A request of the request path begins."""
+        self.metrics.requests_in_flight += 1
+        self.metrics.requests_started += 1
 
     def close(self, ex: Exchange) -> None:
-        """The request is over: limits, metrics, one log line, and its spans (tracing on)."""
-        if ex.lease is not None:
-            self.settle(ex.lease, ex.used_tokens())
+        """The request is over: metrics, one log line, and its spans (tracing on)."""
+        self.metrics.requests_in_flight -= 1
         entry = self.record(ex)
         if self.spans is not None and ex.timeline is not None:
             self.emit_spans(self.spans, ex, entry)
-
-    def settle(self, lease: Lease, used: int | None) -> None:
-        """Settle in the background: the response need not wait for the limit store."""
-        if lease.origin == "none":
-            return
-        if self.limiter.settle_locally(lease, used):
-            return  # memory store: done synchronously, no task needed
-        task = asyncio.create_task(self.limiter.settle(lease, used), name="settle")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def finish_background(self, timeout_s: float) -> None:
-        """Let settlements still in flight reach the limit store before it closes (bounded)."""
-        if self._background:
-            await asyncio.wait(self._background, timeout=timeout_s)
 
     def record(self, ex: Exchange) -> dict[str, Any]:
         """Count the request in the metrics and write its access-log line (returned)."""
@@ -81,6 +72,8 @@ class Accounting:
         trace = ex.trace
         entry: dict[str, Any] = {
             "request_id": ex.request_id,
+            "method": "POST",
+            "path": ex.dialect.path,
             "tenant": tenant_id,
             "endpoint": endpoint,
             "model": model,
@@ -119,6 +112,20 @@ class Accounting:
                 entry["body"] = ex.call.body
         self.access_log.write(entry)
         return entry
+
+    def record_plain(self, request: web.Request, endpoint: str, status: int, started: float) -> None:
+        """The access-log line of a request answered beside the request path."""
+        self.access_log.write(
+            {
+                "request_id": request.get(REQUEST_ID_KEY) or request_id(request),
+                "method": request.method,
+                "path": request.path,
+                "tenant": request.get(TENANT_KEY),
+                "endpoint": endpoint,
+                "status": status,
+                "duration_ms": round((self.clock() - started) * 1000, 2),
+            }
+        )
 
     def emit_spans(self, spans: RequestSpans, ex: Exchange, entry: dict[str, Any]) -> None:
         """The request's OpenTelemetry spans (only with tracing on, after the response): the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -76,7 +77,10 @@ class AdminApi:
             raise NotFound(f"No replica {request.match_info['replica_id']!r}.", code="replica_not_found")
         return replica
 
-    def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/admin/fleet", self.guarded(self.fleet))
-        app.router.add_post("/admin/replicas/{replica_id}/drain", self.guarded(self.drain))
-        app.router.add_post("/admin/replicas/{replica_id}/undrain", self.guarded(self.undrain))
+    def add_routes(
+        self, app: web.Application, logged: Callable[[Callable[[web.Request], Awaitable[web.StreamResponse]], str], Any]
+    ) -> None:
+        """The admin routes on ``app``, each through ``logged`` (its access-log line)."""
+        app.router.add_get("/admin/fleet", logged(self.guarded(self.fleet), "admin"))
+        app.router.add_post("/admin/replicas/{replica_id}/drain", logged(self.guarded(self.drain), "admin"))
+        app.router.add_post("/admin/replicas/{replica_id}/undrain", logged(self.guarded(self.undrain), "admin"))

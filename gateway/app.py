@@ -1,10 +1,10 @@
 """The gateway application: its components, its routes, and the runner of the request path.
 
-``Gateway`` builds every part once from the settings. ``Gateway.handle`` runs one request
-through the stages ``gateway.stages`` declares (authenticate -> parse -> classify -> admit
--> cache -> queue -> forward) until one replies, answers a ``GatewayError`` in OpenAI's
-shape in one place, and hands the finished request to ``gateway.accounting`` (settle,
-metrics, one access-log line).
+``Gateway`` holds every part, built once from the settings by ``gateway.build``.
+``Gateway.handle`` runs one request through its API's path of stages (``gateway.stages``)
+until one replies, answers a ``GatewayError`` in the API's error shape in one place, and
+hands the finished request to ``gateway.accounting`` (metrics, one access-log line). The
+endpoints beside the request path are ``gateway.endpoints``'.
 """
 
 from __future__ import annotations
@@ -20,49 +20,26 @@ from pathlib import Path
 from typing import IO, Any
 
 from aiohttp import HttpVersion11, web
-from prometheus_client import REGISTRY, generate_latest
 
-from cache.coalesce import Wake
-from cache.metrics import CacheMetrics
-from cache.service import create_response_cache
-from common.breaker import BreakerConfig
 from common.idle_trim import IdleTrim, glibc_malloc_trim, release_memory, trim_when_idle
-from conversations.factory import create_response_store
 from dialects.base import Dialect
 from dialects.registry import DIALECTS
-from gateway.accounting import Accounting
+from gateway import build
+from gateway.accounting import REQUEST_ID_KEY, Accounting
 from gateway.admin import AdminApi
-from gateway.auth import KeyRing, credential
+from gateway.auth import KeyRing
 from gateway.autoscale import AutoscaleCollector, PendingTokens
-from gateway.errors import (
-    ExpectationFailed,
-    GatewayError,
-    InternalError,
-    MethodNotAllowed,
-    NotFound,
-    ServiceUnavailable,
-    error_response,
-)
+from gateway.endpoints import CATCH_ALL, Endpoints, Handler
+from gateway.errors import ExpectationFailed, GatewayError, InternalError, error_response
 from gateway.exchange import CLIENT_CLOSED, REQUEST_ID_HEADER, Exchange, request_id
 from gateway.logs import AccessLog
-from gateway.lora import AdapterLoader
 from gateway.metrics import FleetCollector, GatewayMetrics, QuotaCollector, watch_loop_lag
-from gateway.proxy import Proxy
 from gateway.reload import ConfigWatcher
-from gateway.responses_state import ResponseState
-from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings, chunk_gaps
+from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings
 from gateway.spans import RequestSpans, Timeline
-from gateway.stages import CONTINUE, Reply, Stages
+from gateway.stages import CONTINUE, Reply, Stage
 from gateway.tracing import start_trace
-from limits.limiter import LimiterOptions, create_limiter
-from limits.metrics import LimitsMetrics
-from replicas.credentials import CredentialError
-from replicas.fleet import Fleet
-from routing.adapters import AdapterCatalog, AdapterSpec
-from routing.embedding_head import EmbeddingHeadError, load_head
 from routing.metrics import QueueCollector, RoutingMetrics
-from routing.router import PoolSpec, Router
-from routing.static_head import StaticHeadError, load_static_head
 
 log = logging.getLogger("fleetgate.app")
 
@@ -85,95 +62,57 @@ class Gateway:
         # Watched for live edits of tenants (None: the settings came from defaults/env only).
         self.config_path = config_path
         self.clock = clock
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics = GatewayMetrics()
         self.access_log = AccessLog(access_stream, enabled=settings.server.access_log)
-        self.proxy = Proxy(settings.upstream, self.metrics, clock, chunk_gaps=chunk_gaps(settings))
-        try:
-            self.fleet = Fleet(
-                settings.models,
-                settings.health,
-                restart=settings.restart,
-                log_dir=log_dir,
-                clock=clock,
-                on_down=self.proxy.abandon,
-            )
-        except CredentialError as exc:
-            raise ConfigError(str(exc)) from None
-        self.metrics.registry.register(FleetCollector(self.fleet.all, clock, lambda: self.fleet.by_model))
-        self.metrics.registry.register(QuotaCollector(lambda: self.tenants))
-        try:
-            redis_security = settings.redis.resolve(os.environ)
-        except ValueError as exc:  # the password's variable or file: only known at start
-            raise ConfigError(str(exc)) from exc
-        self.cache = create_response_cache(
-            settings.redis_url,
-            settings.cache,
-            CacheMetrics(self.metrics.registry),
-            # The embedder also loads at start for a classifier told to embed every auto request.
-            start_semantic=any(t.cache.enabled and t.cache.semantic.enabled for t in settings.tenants)
-            or settings.routing.classifier.embedding == "always",
-            security=redis_security,
-        )
-        self.responses = ResponseState(
-            create_response_store(settings.redis_url, settings.responses, redis_security, clock=clock),
-            settings.responses,
-            self.metrics,
-        )
-        ls = settings.limits
-        self.limiter = create_limiter(
-            settings.redis_url,
-            options=LimiterOptions(
-                lease_ttl_s=ls.lease_ttl_s,
-                heartbeat_s=ls.heartbeat_s,
-                breaker=BreakerConfig(failures=ls.breaker_failures, cooldown_s=ls.breaker_cooldown_s),
-                redis_timeout_s=ls.redis_timeout_ms / 1000,
-            ),
-            metrics=LimitsMetrics(self.metrics.registry),
-            security=redis_security,
-        )
-        self.rng = random.Random()
-        # Trace and span ids (gateway.tracing): its own stream, so routing's stays as it was.
-        self.trace_rng = random.Random()
+        self.proxy = build.proxy(settings, metrics, clock)
+        self.fleet = build.fleet(settings, self.proxy, log_dir, clock)
+        security = build.redis_security(settings)
+        self.cache = build.response_cache(settings, metrics, security)
+        self.responses = build.response_state(settings, metrics, security, clock)
+        self.limiter = build.limiter(settings, metrics, security)
+        # Routing's randomness, and trace and span ids (gateway.tracing) on a stream of their own.
+        self.rng, self.trace_rng = random.Random(), random.Random()
         # OpenTelemetry spans: None (off, the default) unless an OTLP endpoint is configured.
         self.spans = RequestSpans.from_environment(os.environ, stage_spans=settings.tracing.stage_spans)
         self.accounting = Accounting(
-            self.metrics, self.access_log, self.limiter, self.spans, clock, log_prompts=settings.server.log_prompts
+            metrics, self.access_log, self.spans, clock, log_prompts=settings.server.log_prompts
         )
         self.ready = False
         # Set on SIGTERM: /readyz answers 503 and every response closes its connection, so
         # clients move to other pods before the listener closes (gateway.cli.serve).
         self.draining = False
-        self.routing_metrics = RoutingMetrics(self.metrics.registry, settings.routing.policy)
-        classifier = settings.routing.classifier
-        try:
-            head = None if classifier.embedding == "never" else load_head(classifier.embedding_head_path)
-        except EmbeddingHeadError as exc:
-            raise ConfigError(f"routing.classifier.embedding_head_path: {exc}") from exc
-        try:
-            static = load_static_head(classifier.static_head_path) if classifier.static_head_path else None
-        except StaticHeadError as exc:
-            raise ConfigError(f"routing.classifier.static_head_path: {exc}") from exc
-        self.router = Router.build(
-            settings.routing,
-            [PoolSpec(m.name, m.tier, tuple(m.fallback), m.capacity) for m in settings.models],
-            self.fleet.by_model,
-            rng=self.rng,
-            clock=clock,
-            metrics=self.routing_metrics,
-            head=head,
-            static=static,
-        )
-        self.metrics.registry.register(QueueCollector(self.router.depths))
-        configured = [AdapterSpec(a.name, m.name, a.path) for m in settings.models for a in m.adapters]
-        self.adapters = AdapterLoader(
-            AdapterCatalog(configured, self.fleet.by_model),
-            self.fleet.by_model,
-            lambda: self.proxy.client,
-            timeout_s=settings.upstream.adapter_load_timeout_s,
-            clock=clock,
-        )
+        self.routing_metrics = RoutingMetrics(metrics.registry, settings.routing.policy)
+        self.router = build.router(settings, self.fleet, self.routing_metrics, self.rng, clock)
+        self.adapters = build.adapters(settings, self.fleet, self.proxy, clock)
         self.pending = PendingTokens(m.name for m in settings.models)
-        self.metrics.registry.register(AutoscaleCollector(self.pending, settings.autoscaling.target))
+        registry = metrics.registry
+        registry.register(FleetCollector(self.fleet.all, clock, lambda: self.fleet.by_model))
+        registry.register(QuotaCollector(lambda: self.tenants))
+        registry.register(QueueCollector(self.router.depths))
+        registry.register(AutoscaleCollector(self.pending, settings.autoscaling.target))
+        self.parts = build.PathParts(
+            settings,
+            fleet=self.fleet,
+            router=self.router,
+            limiter=self.limiter,
+            cache=self.cache,
+            proxy=self.proxy,
+            pending=self.pending,
+            routing_metrics=self.routing_metrics,
+            responses=self.responses,
+            adapters=self.adapters,
+            clock=clock,
+        )
+        self.endpoints = Endpoints(
+            keyring=lambda: self.keyring,
+            tenants=lambda: self.tenants,
+            fleet=self.fleet,
+            adapters=self.adapters.catalog,
+            responses=self.responses,
+            registry=registry,
+            not_ready=self._not_ready,
+            accounting=self.accounting,
+        )
         self.apply_tenants(settings.tenants, settings.admin_api_keys)
 
     def apply_settings(self, new: Settings) -> None:
@@ -195,26 +134,18 @@ class Gateway:
         self.admin_keyring = admin
         self.router.set_weights({t.id: t.weight for t in tenants})
         # The request path, rebuilt with the tenants: their keys, and whether any uses the cache.
-        self.stages = Stages(
-            self.settings,
-            keyring=keyring,
-            tenants=self.tenants,
-            fleet=self.fleet,
-            router=self.router,
-            limiter=self.limiter,
-            cache=self.cache,
-            proxy=self.proxy,
-            pending=self.pending,
-            routing_metrics=self.routing_metrics,
-            responses=self.responses,
-            adapters=self.adapters,
-            clock=self.clock,
-        )
+        self.paths: dict[Dialect, tuple[Stage, ...]] = self.parts.paths(keyring, self.tenants)
+
+    def _not_ready(self) -> str | None:
+        """Why this process cannot serve yet (None: it can)."""
+        if self.ready and not self.draining:
+            return None
+        return "draining" if self.draining else "starting, the fleet's state is not known yet"
 
     # -- the request path ---------------------------------------------------------------
 
     async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
-        """Run the request through its API's path (``self.stages.paths``) until a stage replies, then account."""
+        """Run the request through its API's path (``self.paths``) until a stage replies, then account."""
         started = self.clock()
         rh = request.headers
         spans = self.spans
@@ -226,15 +157,14 @@ class Gateway:
         ex.trace = trace
         if spans is not None and trace.sampled:  # only a sampled request notes its stages' times
             ex.timeline = Timeline(started)
-        self.metrics.requests_in_flight += 1
-        self.metrics.requests_started += 1
-        left = False
+        self.accounting.open()
         try:
-            reply: Reply = CONTINUE
-            for stage in self.stages.paths[dialect]:
-                reply = await stage(ex, request)
-                if reply is not CONTINUE:
-                    break
+            with ex:  # what each stage took, handed back in reverse order however the path ends
+                reply: Reply = CONTINUE
+                for stage in self.paths[dialect]:
+                    reply = await stage(ex, request)
+                    if reply is not CONTINUE:
+                        break
             if isinstance(reply, GatewayError):
                 return _refuse(ex, reply)
             assert reply is not None, "the last stage always replies"
@@ -243,7 +173,6 @@ class Gateway:
         except GatewayError as err:
             return _refuse(ex, err)
         except asyncio.CancelledError:
-            left = True
             self._client_left(ex)
             raise
         except ConnectionResetError:
@@ -257,16 +186,6 @@ class Gateway:
             log.exception("unexpected error", extra={"request_id": ex.request_id})
             return _refuse(ex, InternalError("The gateway hit an unexpected error; it has been logged."))
         finally:
-            # The leader's flight ends with the request, however it ends: refused while
-            # queued, cancelled or failed, its followers never wait on it in vain.
-            if ex.leader is not None:
-                ex.leader.abandon(Wake.HANDOFF if left else Wake.SOLO)
-            # The pool's next waiting request, then limits, metrics, one log line.
-            if ex.route is not None:
-                ex.route.finished()
-            self.metrics.requests_in_flight -= 1
-            if ex.pending and ex.pool is not None:
-                self.pending.remove(ex.pool, ex.pending)
             self.accounting.close(ex)
 
     def _client_left(self, ex: Exchange) -> None:
@@ -276,97 +195,6 @@ class Gateway:
             ex.cut = "client_gone"  # a stream under way (its status already sent)
         ex.status, ex.error_code = CLIENT_CLOSED, "client_closed"
 
-    # -- other endpoints --------------------------------------------------------------------
-
-    async def list_models(self, request: web.Request) -> web.Response:
-        headers = {"x-request-id": request_id(request)}
-        try:
-            key = self.keyring.owner_of(credential(request.headers))
-        except GatewayError as err:
-            return error_response(err, headers)
-        # Every tenant may call every fleet model, so every tenant sees every adapter too.
-        adapters = self.adapters.catalog.listing()
-        names = ("auto", *self.fleet.by_model, *self._aliases(key.owner), *adapters)
-        data = [_model_object(n, adapters.get(n)) for n in names]
-        page = {"object": "list", "data": data, "has_more": False, "first_id": names[0], "last_id": names[-1]}
-        return web.json_response(page, headers=headers)
-
-    def _aliases(self, tenant_id: str) -> list[str]:
-        """The tenant's model aliases whose target it can call."""
-        tenant = self.tenants.get(tenant_id)
-        if tenant is None:
-            return []
-        known = self.fleet.by_model
-        return [alias for alias, target in tenant.model_aliases.items() if target == "auto" or target in known]
-
-    async def retrieve_model(self, request: web.Request) -> web.Response:
-        """``GET /v1/models/{id}``: one model, in OpenAI's shape (404 ``model_not_found``)."""
-        headers = {"x-request-id": request_id(request)}
-        name = request.match_info["model"]
-        try:
-            key = self.keyring.owner_of(credential(request.headers))
-            parent = self.adapters.catalog.base_of(name)
-            known = name == "auto" or name in self.fleet.by_model or name in self._aliases(key.owner)
-            if not known and parent is None:
-                raise NotFound(f"The model '{name}' does not exist.", code="model_not_found", param="model")
-        except GatewayError as err:
-            return error_response(err, headers)
-        return web.json_response(_model_object(name, parent), headers=headers)
-
-    async def stored_response(self, request: web.Request) -> web.Response:
-        """``GET``/``DELETE /v1/responses/{id}``, ``GET .../input_items``, ``POST .../cancel``:
-        the tenant's stored responses (``gateway.responses_state``)."""
-        headers = {"x-request-id": request_id(request)}
-        try:
-            key = self.keyring.owner_of(credential(request.headers))
-            tenant = self.tenants[key.owner]
-            response_id = request.match_info["response_id"]
-            action = request.match_info.get("action", "")
-            state = self.responses
-            if request.method == "DELETE" and not action:
-                response = await state.delete(tenant, response_id)
-            elif request.method == "GET" and action in ("", "input_items"):
-                response = await (state.input_items if action else state.retrieve)(tenant, response_id)
-            elif request.method == "POST" and action == "cancel":
-                response = await state.cancel(tenant, response_id)
-            else:
-                raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
-        except GatewayError as err:
-            return error_response(err, headers)
-        response.headers.update(headers)
-        return response
-
-    async def healthz(self, _: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def readyz(self, _: web.Request) -> web.Response:
-        """Ready: this process can serve (started, its fleet's state known, not draining).
-
-        At start it waits until the fleet's state is known (``replicas.readiness``; set by
-        ``_announce_ready``). From then on it is not "a replica is healthy": with none,
-        requests get an OpenAI-shaped 503 (``no_healthy_replica``) and
-        ``fleetgate_model_healthy_replicas`` says 0, which a pod outside the Service could not."""
-        if self.ready and not self.draining:
-            return web.json_response({"status": "ready", "healthy_replicas": self.fleet.healthy_count()})
-        why = "draining" if self.draining else "starting, the fleet's state is not known yet"
-        return error_response(ServiceUnavailable(f"Not ready: {why}."), {})
-
-    async def prometheus(self, _: web.Request) -> web.Response:
-        # The gateway's own registry (every package's metrics) plus the process-wide one (process stats).
-        body = generate_latest(self.metrics.registry) + generate_latest(REGISTRY)
-        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    async def not_found(self, request: web.Request) -> web.Response:
-        known = {d.path for d in DIALECTS} | {"/v1/models", "/healthz", "/readyz", "/v1/responses/{id}"}
-        if self.settings.server.admin_port is None:  # else they live on the admin port only
-            known |= {"/metrics", "/admin/fleet"}
-        if request.path in known or request.path.startswith("/v1/models/"):
-            err: GatewayError = MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
-        else:
-            paths = ", ".join(sorted(known | {"/v1/models/{model}"}))
-            err = NotFound(f"Unknown path {request.path}. The gateway serves: {paths}.", code="unknown_url")
-        return error_response(err, {"x-request-id": request_id(request)})
-
 
 def _refuse(ex: Exchange, err: GatewayError) -> web.Response:
     """The request's answer is ``err``, in its API's error shape."""
@@ -374,31 +202,15 @@ def _refuse(ex: Exchange, err: GatewayError) -> web.Response:
     return error_response(err, ex.headers, ex.dialect.errors)
 
 
-def _model_object(name: str, parent: str | None = None) -> dict[str, Any]:
-    """A model in OpenAI's shape, with the fields Anthropic's SDK reads (``type``,
-    ``display_name``, ``created_at``) beside them: one list serves both SDKs. A LoRA
-    adapter names its base model in ``parent``, as vLLM lists it."""
-    model: dict[str, Any] = {
-        "id": name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "fleetgate",
-        "type": "model",
-        "display_name": name,
-        "created_at": "1970-01-01T00:00:00Z",
-    }
-    if parent is not None:
-        model["parent"] = parent
-    return model
-
-
 def create_app(gateway: Gateway) -> web.Application:
     """The aiohttp application; the gateway's parts start and stop with it, in order."""
     server = gateway.settings.server
     app = web.Application(client_max_size=max(server.max_body_bytes, server.max_audio_bytes))
     app[GATEWAY_KEY] = gateway
+    endpoints = gateway.endpoints
+    logged = endpoints.logged
 
-    def route(dialect: Dialect) -> Callable[[web.Request], Any]:
+    def route(dialect: Dialect) -> Handler:
         async def handler(request: web.Request) -> web.StreamResponse:
             return await gateway.handle(request, dialect)
 
@@ -406,18 +218,18 @@ def create_app(gateway: Gateway) -> web.Application:
 
     for dialect in DIALECTS:
         app.router.add_post(dialect.path, route(dialect))
-    stored = gateway.stored_response
-    app.router.add_route("*", "/v1/responses/{response_id}", stored)
-    app.router.add_route("*", "/v1/responses/{response_id}/{action}", stored)
-    app.router.add_get("/v1/models", gateway.list_models)
-    app.router.add_get("/v1/models/{model:.+}", gateway.retrieve_model)
-    app.router.add_get("/healthz", gateway.healthz)
-    app.router.add_get("/readyz", gateway.readyz)
-    if gateway.settings.server.admin_port is None:
+    app.router.add_route("*", "/v1/responses/{response_id}", logged(endpoints.stored_response(), "responses_stored"))
+    for action in ("input_items", "cancel"):
+        stored = logged(endpoints.stored_response(action), "responses_stored")
+        app.router.add_route("*", f"/v1/responses/{{response_id}}/{action}", stored)
+    app.router.add_get("/v1/models", logged(endpoints.list_models, "models"))
+    app.router.add_get("/v1/models/{model:.+}", logged(endpoints.retrieve_model, "models"))
+    _add_probes(app, gateway)
+    if server.admin_port is None:
         _add_monitoring_routes(app, gateway)
-    app.router.add_route("*", "/{tail:.*}", gateway.not_found)
+    app.router.add_route("*", CATCH_ALL, logged(endpoints.not_found(app), "not_found"))
     app.on_response_prepare.append(_close_while_draining)
-    _answer_expect_in_openai_shape(app)
+    _answer_expect_in_openai_shape(app, gateway.accounting)
     app.cleanup_ctx.append(_lifecycle)
     return app
 
@@ -427,19 +239,28 @@ def create_admin_app(gateway: Gateway) -> web.Application:
     and the probes, apart from the API, so a NetworkPolicy can keep it to the monitoring
     namespace. It shares the API application's gateway and lifecycle (serve it alongside)."""
     app = web.Application()
-    app.router.add_get("/healthz", gateway.healthz)
-    app.router.add_get("/readyz", gateway.readyz)
+    _add_probes(app, gateway)
     _add_monitoring_routes(app, gateway)
-    app.router.add_route("*", "/{tail:.*}", gateway.not_found)
-    _answer_expect_in_openai_shape(app)
+    endpoints = gateway.endpoints
+    app.router.add_route("*", CATCH_ALL, endpoints.logged(endpoints.not_found(app), "not_found"))
+    _answer_expect_in_openai_shape(app, gateway.accounting)
     return app
 
 
+def _add_probes(app: web.Application, gateway: Gateway) -> None:
+    endpoints = gateway.endpoints
+    app.router.add_get("/healthz", endpoints.logged(endpoints.healthz, "healthz"))
+    app.router.add_get("/readyz", endpoints.logged(endpoints.readyz, "readyz"))
+
+
 def _add_monitoring_routes(app: web.Application, gateway: Gateway) -> None:
+    endpoints = gateway.endpoints
     admin = AdminApi(gateway.fleet, lambda: gateway.admin_keyring)
-    metrics = gateway.prometheus
-    app.router.add_get("/metrics", admin.guarded(metrics) if gateway.settings.server.metrics_require_key else metrics)
-    admin.add_routes(app)
+    metrics: Handler = endpoints.prometheus
+    if gateway.settings.server.metrics_require_key:
+        metrics = admin.guarded(endpoints.prometheus)
+    app.router.add_get("/metrics", endpoints.logged(metrics, "metrics"))
+    admin.add_routes(app, endpoints.logged)
 
 
 async def _close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
@@ -450,10 +271,18 @@ async def _close_while_draining(request: web.Request, response: web.StreamRespon
         response.headers["Connection"] = "close"  # the header is computed before this hook runs
 
 
-def _answer_expect_in_openai_shape(app: web.Application) -> None:
+def _answer_expect_in_openai_shape(app: web.Application, accounting: Accounting) -> None:
     """Every route of ``app`` answers an ``Expect`` header with ``_expect``."""
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        started = accounting.clock()
+        refused = await _expect(request)
+        if refused is not None:  # the route's handler never runs: the refusal's line is here
+            accounting.record_plain(request, "expect", refused.status, started)
+        return refused
+
     for each in app.router.routes():
-        each._expect_handler = _expect
+        each._expect_handler = expect
 
 
 async def _expect(request: web.Request) -> web.StreamResponse | None:
@@ -461,7 +290,8 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     OpenAI's shape (aiohttp's own is plain text, and a 500 for a header that is not UTF-8)."""
     if request.headers.get("Expect", "").lower() != "100-continue":
         err = ExpectationFailed("Only 'Expect: 100-continue' is supported.")
-        return error_response(err, {"x-request-id": request_id(request)})
+        rid = request[REQUEST_ID_KEY] = request_id(request)
+        return error_response(err, {"x-request-id": rid})
     if request.version == HttpVersion11:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the response itself is still to come
@@ -500,7 +330,7 @@ async def _lifecycle(app: web.Application) -> Any:
             trim.cancel()
         gateway.router.close()  # requests still queued get their 503 now, not at their deadline
         await gateway.fleet.drain_all(settings.server.shutdown_grace_s)
-        await gateway.accounting.finish_background(settings.server.shutdown_grace_s)
+        await gateway.parts.admit.finish_background(settings.server.shutdown_grace_s)
         gateway.access_log.flush()
 
 

@@ -1,8 +1,9 @@
-"""Every error the gateway can hand a client, in OpenAI's shape.
+"""Every error the gateway can hand a client, written in the envelope of the API it was asked
+(OpenAI's by default).
 
 Hierarchy::
 
-    GatewayError                      status, type, code, param; to_json() -> OpenAI body
+    GatewayError                      status, type, code, param; to_json(envelope) -> body
     ├── BadRequest           400      invalid_request_error (malformed JSON, wrong types...)
     ├── Unauthorized         401      invalid_api_key
     ├── Forbidden            403      permission denied (admin API, forced tier)
@@ -35,7 +36,7 @@ Envelope = OpenAIErrors | AnthropicErrors
 
 
 class GatewayError(Exception):
-    """An error with an HTTP status and an OpenAI error body."""
+    """An error with an HTTP status, written as a body in an API's error envelope."""
 
     status = 500
     type = "server_error"

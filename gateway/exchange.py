@@ -1,35 +1,37 @@
 """One request's context on its way through the gateway: the ``Exchange``.
 
-Every stage of ``gateway.stages`` reads and fills it, the proxy records its attempts in it,
-and ``gateway.accounting`` settles and logs from it once the response has ended. Also here:
-the request id, the header names the gateway reads and sets, and the tokens a request
-settles. Routing is seen through the ``Picker`` protocol (``routing.router.Route``
-implements it), so the proxy never depends on the router.
+Every stage of ``gateway.stages`` reads and fills it with what it learns of the request
+(its tenant, its parsed call, its model and route), the proxy records its attempts in it,
+and ``gateway.accounting`` counts and logs from it once the response has ended. What a stage
+takes (a lease, a pool's slot, a coalescing flight) it hands back through the exchange's
+releases (``Exchange.release``), run in reverse order when the request's path ends; what a
+stage must see of the answer on its way out, it sees through a ``Tap``. Also here: the
+request id and the header names the gateway reads and sets.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from dialects.base import Call, Dialect
 
 if TYPE_CHECKING:
-    from cache.coalesce import Leader
-    from cache.entry import CachedCompletion, Kind
-    from cache.keys import CachePlan
-    from gateway.responses_state import Keeper
+    from gateway.errors import GatewayError
     from gateway.settings import TenantSettings
     from gateway.spans import Timeline
     from gateway.tracing import TraceContext
-    from limits.decision import Lease
-    from replicas.replica import Claim, Replica
-    from routing.router import Stop
+    from replicas.replica import Replica
+    from routing.router import Route
+
+log = logging.getLogger("fleetgate.app")
 
 # Request headers: the request's id (honoured if sent), a forced tier (where the tenant
 # allows it), the request's own time bound, a lower queueing priority.
@@ -50,6 +52,10 @@ _MAX_REQUEST_ID = 128
 _ID_PREFIX = os.urandom(6).hex()
 _ID_SERIAL = itertools.count(1)
 
+# What a stage hands back when the request's path ends: called with the exception that
+# ended it (None when it ended with a response, a refusal included).
+Release = Callable[[BaseException | None], None]
+
 
 def request_id(request: web.Request) -> str:
     """The client's ``x-request-id`` when it is usable, else a fresh one."""
@@ -60,30 +66,30 @@ def request_id(request: web.Request) -> str:
     return f"{_ID_PREFIX}{next(_ID_SERIAL):012x}"
 
 
-class Picker(Protocol):
-    """Chooses the replicas of one request, attempt by attempt (``routing.router.Route``)."""
+class Tap:
+    """A stage's view of a 200 answer on its way to the client (``Exchange.taps``).
 
-    @property
-    def model(self) -> str:
-        """The model whose pool serves the request (the one the cache key names)."""
-        ...
+    The proxy, and the cache stage when it replays, run every tap of the exchange in the
+    order the stages installed them. The defaults see nothing and change nothing.
+    """
 
-    def next_attempt(self, now: float, tried: Collection[str], attempts: int, deadline: float | None) -> Replica | Stop:
-        """The replica for the next attempt (none of ``tried``), or why there is none: the
-        one retry decision (candidates left, the request's deadline, the retry budget)."""
-        ...
+    __slots__ = ()
 
-    def claim(self, replica: Replica, streamed: bool) -> Claim:
-        """The load one attempt puts on ``replica``, released when the attempt ends."""
-        ...
+    def started(self, answer: dict[str, Any], stop: Callable[[], None]) -> None:
+        """A stream's first event named its answer (its id); ``stop`` ends the stream."""
 
-    def finished(self) -> None:
-        """The request is over: the slots it held may go to waiting requests."""
-        ...
+    async def ending(self, final: dict[str, Any] | None) -> GatewayError | None:
+        """The whole answer (``final``: the parsed body, or the last event's answer), before
+        its end reaches the client: None lets it go, else the error to answer instead."""
+        return None
 
-    def annotate(self, entry: dict[str, Any]) -> None:
-        """Add what routing decided to the request's access-log entry."""
-        ...
+    def events(self, out: bytes) -> bytes:
+        """Whole events of a stream on their way to the client."""
+        return out
+
+    def body(self, body: bytes) -> bytes:
+        """A whole JSON answer on its way to the client."""
+        return body
 
 
 @dataclass(slots=True)
@@ -91,8 +97,8 @@ class Exchange:
     """What one request carries and learns on its way (for the stages, logs, metrics, limits).
 
     Filled in stage order: ``tenant`` by authentication, ``call`` by parsing (unset before:
-    see ``parsed``), ``model`` and ``route`` by classification, ``lease`` by admission,
-    ``plan`` and ``leader`` by the cache; the rest by the proxy.
+    see ``parsed``), ``model`` and ``route`` by classification; the rest by the proxy.
+    ``with exchange:`` runs the releases the stages added (``release``) when the path ends.
     """
 
     # The API the request speaks (its route).
@@ -106,19 +112,12 @@ class Exchange:
     # The model the request is counted, limited, cached and logged as: the name it asked for
     # (an alias resolved), a LoRA ``adapter``'s own name included.
     model: str | None = None
-    # The model whose pool serves it (``model``, or the base model of its ``adapter``): its
-    # pending tokens count there.
+    # The model whose pool serves it (``model``, or the base model of its ``adapter``).
     pool: str | None = None
     # The LoRA adapter the request names (routing.adapters): sent upstream as ``model``.
     adapter: str | None = None
-    # Tokens counted in the model's pending gauge for this request (autoscaling).
-    pending: int = 0
-    lease: Lease | None = None
     # Tokens a cache hit charges (None: settle on the replica's usage).
     charged: int | None = None
-    plan: CachePlan | None = None
-    # This request goes upstream for a cache key others may wait on.
-    leader: Leader | None = None
     replica: Replica | None = None
     attempts: int = 0
     # The response's status, and why it failed (the access log's ``error``).
@@ -129,17 +128,8 @@ class Exchange:
     # The replica's whole answer, parsed: a JSON body, or the final event of a stream that
     # carries one (a Responses stream's ``response``); None otherwise.
     answer: dict[str, Any] | None = None
-    # Keeps a stored Responses answer before the client sees its end (``gateway.responses_state``).
-    keep: Keeper | None = None
-    # Makes a Responses stream cancellable once its id is known (its first event), returning
-    # what undoes that (``untrack``, run when the stream ends).
-    on_start: Callable[[dict[str, Any], Callable[[], None]], Callable[[], None]] | None = None
-    untrack: Callable[[], None] | None = None
-    # Restores in the replica's answer what the gateway took out of the request (a Responses
-    # answer's ``previous_response_id``), applied to whole events or the whole body.
-    rewrite: Callable[[bytes], bytes] | None = None
     # Request headers the dialect passes on to the replica (``anthropic-version``...).
-    forward: dict[str, str] | None = None
+    upstream_headers: dict[str, str] | None = None
     # A stored Responses conversation's id: its first response's (its routing session).
     chain: str | None = None
     first_token_at: float | None = None
@@ -148,20 +138,15 @@ class Exchange:
     tried: set[str] = field(default_factory=set)
     # The client's stream, once prepared (keep-alives or the first event sent).
     response: web.StreamResponse | None = None
-    # Set when the answer may be cached: its kind (the dialect's ``cache_kind``) and, once the
-    # response ended well, the answer itself.
-    cache_kind: Kind | None = None
-    cache_max_chars: int = 0
-    completion: CachedCompletion | None = None
     # Token events relayed (settles limits when a broken stream never reported usage).
     generated: int = 0
     # How the request is routed (tier, policy decisions, fallback; for the log line).
-    route: Picker | None = None
+    route: Route | None = None
     # No new attempt starts past this time (gateway clock); with ``cut_at_deadline`` (the
     # client asked for a deadline) an attempt in flight is cut there too.
     deadline: float | None = None
     cut_at_deadline: bool = False
-    # Why attempts stopped early: "deadline" or "retry_budget".
+    # Why attempts stopped early: "deadline", "retry_budget" or "cancelled".
     stop: str | None = None
     # Why a stream under way ended before its replica finished it (``gateway.proxy``, CUT_*;
     # "client_gone" when its client left): the access line's ``cut`` and fleetgate_stream_cuts_total.
@@ -170,6 +155,9 @@ class Exchange:
     trace: TraceContext | None = None
     # Stage and attempt times for OpenTelemetry spans (None: tracing off).
     timeline: Timeline | None = None
+    # What the stages see of a 200 answer on its way out, in the order they were installed.
+    taps: list[Tap] = field(default_factory=list)
+    _releases: list[Release] = field(default_factory=list)
 
     @property
     def parsed(self) -> bool:
@@ -188,3 +176,19 @@ class Exchange:
         if self.generated and self.parsed:
             return self.call.prompt_tokens_estimate + self.generated
         return None
+
+    def release(self, undo: Release) -> None:
+        """Run ``undo`` when the request's path ends, before what was added earlier."""
+        self._releases.append(undo)
+
+    def __enter__(self) -> Exchange:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        releases = self._releases
+        while releases:
+            undo = releases.pop()
+            try:
+                undo(exc)
+            except Exception:  # one stage's fault must not keep the others' from being released
+                log.exception("a stage's release failed", extra={"request_id": self.request_id})

@@ -1,6 +1,8 @@
 """Forward one call to the fleet: send, retry before commit, relay. I/O only: which replica
-each attempt goes to, and whether there is another attempt, is the picker's decision
-(``Picker.next_attempt``); streamed and whole responses share one attempt loop (``_answer``).
+each attempt goes to, and whether there is another attempt, is the request's route's decision
+(``Route.next_attempt``); streamed and whole responses share one attempt loop (``_answer``).
+What the stages must see of a 200 answer on its way out, they see through the exchange's
+taps (``gateway.exchange.Tap``): the proxy runs them and knows none of them.
 
 Retry rule: an attempt that fails before anything reached the client (connect error,
 timeout before the first byte, a 5xx) is retried on another replica, then on the model's
@@ -20,11 +22,11 @@ requests still waiting on it for an answer are retried elsewhere at once (``Prox
 A stream under way that goes silent is cut after its model's chunk gap
 (``models[].chunk_gap_timeout_s``, else ``upstream.chunk_gap_timeout_s``) only if nothing
 vouches for its replica (``Replica.alive``: taken down by its probes, failed, restarted,
-or never probed). A replica the health checks still hold alive is merely slow: an engine
-stalled for a while (two CPU engines on one core went silent 10-75 s at a time) finishes
-its streams afterwards, and a cut there throws away an answer the client would have had.
-Such a stream waits, up to ``upstream.stall_timeout_s`` of silence (the bound for an
-engine hung for good behind a ``/health`` that still answers), or the client's deadline.
+or never probed). A replica the health checks still hold alive is merely slow: a stalled
+engine finishes its streams afterwards, and a cut there throws away an answer the client
+would have had. Such a stream waits, up to ``upstream.stall_timeout_s`` of silence (the
+bound for an engine hung for good behind a ``/health`` that still answers), or the
+client's deadline.
 Every cut is recorded with its reason (``CUT_*``): the access line's ``cut`` and
 ``fleetgate_stream_cuts_total``.
 """
@@ -36,17 +38,16 @@ import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
+from enum import StrEnum
 from typing import Any, Final, TypeVar
 
-import aiohttp
 import orjson
 from aiohttp import web
 
-from cache.collect import stream_collector
-from cache.entry import from_json_response
 from dialects.stream import SseError, SseScanner
+from gateway.client_stream import end_with_error, prepare, with_keepalive
 from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
-from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange, Picker
+from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.progress_timeout import DEADLINE, LIMIT, ProgressTimeout
 from gateway.settings import UpstreamSettings
@@ -59,9 +60,8 @@ from gateway.upstream import (
     UpstreamResponse,
 )
 from replicas.replica import Claim, Replica
-from routing.router import EXHAUSTED, NO_REPLICA
+from routing.router import EXHAUSTED, NO_REPLICA, Route
 
-KEEPALIVE = b": keep-alive\n\n"
 CANCELLED = "The response was cancelled (POST /v1/responses/{id}/cancel)."
 
 # Why a stream under way ended before its replica finished it (``Exchange.cut``); the
@@ -89,10 +89,27 @@ log = logging.getLogger("fleetgate.proxy")
 T = TypeVar("T")
 
 
+class Failure(StrEnum):
+    """Why one attempt failed (the ``fleetgate_upstream_errors`` label)."""
+
+    CONNECT = "connect"
+    CONNECT_TIMEOUT = "connect_timeout"
+    TIMEOUT = "timeout"
+    REPLICA_DOWN = "replica_down"
+    STATUS = "status"  # a 5xx
+    AUTH = "auth"  # the replica refused the gateway's own credentials
+    EOF = "eof"  # closed before the first token
+    MALFORMED = "malformed"
+    STREAM = "stream"  # broke after the first byte
+    # Not the replica's fault: another would do the same, so no retry.
+    DEADLINE = "deadline"
+    TOO_LARGE = "too_large"
+
+
 class UpstreamFailure(Exception):
     """One attempt failed in a way another replica might not."""
 
-    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+    def __init__(self, kind: Failure, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.status = status
@@ -148,7 +165,7 @@ class Proxy:
     # -- shared by both paths -------------------------------------------------------------
 
     async def _answer(
-        self, ex: Exchange, pick: Picker, send: Callable[[Exchange, Replica], Awaitable[T]], streamed: bool
+        self, ex: Exchange, pick: Route, send: Callable[[Exchange, Replica], Awaitable[T]], streamed: bool
     ) -> tuple[Claim, T] | GatewayError:
         """Attempt after attempt until a replica answers: its claim (still held) and what
         ``send`` returned; or, when attempts ran out, the error to give the client.
@@ -172,9 +189,9 @@ class Proxy:
                 # Nothing but keep-alive comments reached the client: another replica may answer.
                 claim.release()
                 last = failure
-                if failure.kind == "deadline":
+                if failure.kind is Failure.DEADLINE:
                     break
-                if failure.kind == "too_large":
+                if failure.kind is Failure.TOO_LARGE:
                     # The request's answer, not the replica's fault: another would send as much.
                     self.metrics.upstream_errors.labels(replica.id, failure.kind).inc()
                     break
@@ -187,7 +204,7 @@ class Proxy:
             return claim, result
         return _exhausted(ex, last)
 
-    def _next(self, ex: Exchange, pick: Picker) -> Replica | None:
+    def _next(self, ex: Exchange, pick: Route) -> Replica | None:
         """The next replica to try (the picker walks the pool, then the fallback models), and
         the attempt's bookkeeping; None when there is none (``ex.stop`` says why, if early)."""
         choice = pick.next_attempt(self.clock(), ex.tried, ex.attempts, ex.deadline)
@@ -209,9 +226,7 @@ class Proxy:
         ex.replica = replica
         ex.headers[REPLICA_HEADER] = replica.id
         if replica.model != pick.model:
-            # A fallback model answers: not the model the cache key names, so not cached.
-            ex.cache_kind = None
-            ex.headers[TIER_HEADER] = replica.tier
+            ex.headers[TIER_HEADER] = replica.tier  # a fallback model answers
         return replica
 
     async def _before_deadline(self, ex: Exchange, attempt: Awaitable[T]) -> T:
@@ -221,7 +236,7 @@ class Proxy:
             async with asyncio.timeout(ex.deadline - self.clock()):
                 return await attempt
         except TimeoutError as exc:
-            raise UpstreamFailure("deadline", "the request's deadline passed") from exc
+            raise UpstreamFailure(Failure.DEADLINE, "the request's deadline passed") from exc
 
     def _failed(self, replica: Replica, failure: UpstreamFailure) -> None:
         self.metrics.upstream_errors.labels(replica.id, failure.kind).inc()
@@ -229,8 +244,8 @@ class Proxy:
 
     def _request_headers(self, ex: Exchange, replica: Replica) -> dict[str, str]:
         headers = {"Content-Type": ex.call.content_type, "X-Request-Id": ex.request_id}
-        if ex.forward:
-            headers.update(ex.forward)
+        if ex.upstream_headers:
+            headers.update(ex.upstream_headers)
         if ex.trace is not None:
             headers.update(ex.trace.upstream_headers())
         if replica.upstream_headers:
@@ -239,23 +254,26 @@ class Proxy:
 
     # -- non-streaming ----------------------------------------------------------------------
 
-    async def complete(self, ex: Exchange, pick: Picker) -> web.Response:
+    async def complete(self, ex: Exchange, pick: Route) -> web.Response | GatewayError:
+        """The whole answer; an answer a tap refuses (``Tap.ending``) is that refusal instead."""
         answer = await self._answer(ex, pick, self._send, streamed=False)
         if isinstance(answer, GatewayError):
             raise answer
         claim, (status, body, ctype, parsed) = answer
         claim.release()
         ex.status = status
-        if status == 200:
-            ex.usage = ex.dialect.usage(parsed)
-            ex.answer = parsed
-            if ex.cache_kind is not None:
-                ex.completion = from_json_response(ex.cache_kind, body)
-        else:
+        if status != 200:
             ex.error_code = "upstream_client_error"
-            body, ctype = ex.dialect.errors.from_upstream(status, body), "application/json"
-        if ex.rewrite is not None and status == 200:
-            body = ex.rewrite(body)
+            body = ex.dialect.errors.from_upstream(status, body)
+            return web.Response(status=status, body=body, content_type="application/json", headers=ex.headers)
+        ex.usage = ex.dialect.usage(parsed)
+        ex.answer = parsed
+        for tap in ex.taps:
+            refused = await tap.ending(parsed)
+            if refused is not None:
+                return refused
+        for tap in ex.taps:
+            body = tap.body(body)
         return web.Response(status=status, body=body, content_type=ctype, headers=ex.headers)
 
     async def _send(self, ex: Exchange, replica: Replica) -> tuple[int, bytes, str, dict[str, Any]]:
@@ -286,22 +304,25 @@ class Proxy:
             with contextlib.suppress(orjson.JSONDecodeError):
                 parsed = orjson.loads(body)
             if not isinstance(parsed, dict):
-                raise UpstreamFailure("malformed", f"{replica.id} answered 200 with a body that is not a JSON object")
+                raise UpstreamFailure(
+                    Failure.MALFORMED, f"{replica.id} answered 200 with a body that is not a JSON object"
+                )
         return status, body, ctype, parsed or {}
 
     # -- streaming --------------------------------------------------------------------------
 
-    async def stream(self, ex: Exchange, pick: Picker, request: web.Request) -> web.StreamResponse:
+    async def stream(self, ex: Exchange, pick: Route, request: web.Request) -> web.StreamResponse:
+        interval_s = self.settings.keepalive_interval_s
+
         async def open_with_keepalive(ex: Exchange, replica: Replica) -> tuple[UpstreamResponse | web.Response, bytes]:
-            return await self.with_keepalive(ex, request, self._open(ex, replica))
+            return await with_keepalive(ex, request, self._open(ex, replica), interval_s)
 
         answer = await self._answer(ex, pick, open_with_keepalive, streamed=True)
         if isinstance(answer, GatewayError):
             if ex.response is None:
                 raise answer
             # Keep-alives went out, so the status is already 200: end with an error event.
-            ex.error_code = answer.code
-            await _end_with_error(ex, ex.response, answer)
+            await end_with_error(ex, ex.response, answer)
             return ex.response
         claim, (upstream, first) = answer
         if isinstance(upstream, web.Response):
@@ -310,40 +331,13 @@ class Proxy:
             ex.error_code = "upstream_client_error"
             if ex.response is None:
                 return upstream
-            await _end_with_error(ex, ex.response, _refusal(ex, upstream))
+            await end_with_error(ex, ex.response, _refusal(ex, upstream))
             return ex.response
         try:
             return await self._relay(ex, upstream, first, claim, request)
         finally:
             claim.release()
             upstream.release()
-
-    async def with_keepalive(
-        self, ex: Exchange, request: web.Request, work: Awaitable[T], discard: Callable[[T], None] | None = None
-    ) -> T:
-        """Await ``work``; meanwhile send a streaming client an SSE comment every interval.
-
-        If the client leaves (a failed write, a cancellation), ``work`` is cancelled; a result
-        it produced all the same goes to ``discard``, which releases what it holds.
-        """
-        task = asyncio.ensure_future(work)
-        returned = False
-        try:
-            while True:
-                done, _ = await asyncio.wait((task,), timeout=self.settings.keepalive_interval_s)
-                if done:
-                    returned = True
-                    return task.result()
-                if ex.response is None:
-                    ex.response = await self.prepare(ex, request)
-                await ex.response.write(KEEPALIVE)
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-            if not returned and discard is not None and not task.cancelled() and task.exception() is None:
-                discard(task.result())
 
     async def _open(self, ex: Exchange, replica: Replica) -> tuple[UpstreamResponse | web.Response, bytes]:
         """Send the request and read the first chunk, within ``first_byte_timeout_s``."""
@@ -374,22 +368,12 @@ class Proxy:
                 first = await resp.readany()
                 if not first:
                     resp.release()
-                    raise UpstreamFailure("eof", f"{replica.id} closed the stream before any token")
+                    raise UpstreamFailure(Failure.EOF, f"{replica.id} closed the stream before any token")
                 return resp, first
         except (TimeoutError, UpstreamError) as exc:
             if resp is not None:
                 resp.close()
             raise _attempt_failed(replica, exc, "sent nothing in time") from exc
-
-    async def prepare(self, ex: Exchange, request: web.Request) -> web.StreamResponse:
-        headers = dict(ex.headers)
-        headers["Content-Type"] = "text/event-stream"
-        headers["Cache-Control"] = "no-cache"
-        headers["X-Accel-Buffering"] = "no"
-        response = web.StreamResponse(status=200, headers=headers)
-        await response.prepare(request)
-        ex.status = 200
-        return response
 
     async def _relay(
         self,
@@ -399,22 +383,17 @@ class Proxy:
         claim: Claim,
         request: web.Request,
     ) -> web.StreamResponse:
-        if ex.response is None:
-            ex.response = await self.prepare(ex, request)
-        response = ex.response
+        response = ex.response or await prepare(ex, request)
         scanner = ex.call.dialect.scanner(ex.call)
-        collector = stream_collector(ex.cache_kind, max_chars=ex.cache_max_chars) if ex.cache_kind else None
         gaps = self.metrics.itl.new_gaps()
         clock = self.clock
         out, n = scanner.feed(first)
-        if collector is not None:
-            collector.feed(out)
         now = clock()
         ex.first_token_at = claim.replica.last_progress_at = now
         claim.prefilled()
         claim.generated(n)
         last = now
-        await self._write(ex, scanner, upstream, response, out)
+        announced = await self._write(ex, scanner, upstream, response, out, False)
         loop = asyncio.get_running_loop()
         replica = claim.replica
         gap = self._chunk_gaps.get(replica.model, self.settings.chunk_gap_timeout_s)
@@ -433,19 +412,17 @@ class Proxy:
                         break
                     deadline.progressed()
                     out, n = scanner.feed(chunk)
-                    if collector is not None:
-                        collector.feed(out)
                     if n:
                         now = claim.replica.last_progress_at = clock()
                         gaps.add((now - last) / n, n)
                         last = now
                         claim.generated(n)
-                    await self._write(ex, scanner, upstream, response, out)
+                    announced = await self._write(ex, scanner, upstream, response, out, announced)
         except TimeoutError:
             if deadline.reason == DEADLINE:
-                ex.stop, ex.error_code, ex.cut = "deadline", "deadline_exceeded", CUT_DEADLINE
+                ex.stop, ex.cut = "deadline", CUT_DEADLINE
                 cut = GatewayTimeout("The request's deadline passed; the stream was cut.", code="deadline_exceeded")
-                await _end_with_error(ex, response, cut)
+                await end_with_error(ex, response, cut)
             elif deadline.reason == LIMIT:
                 message = f"The replica sent nothing for {limit:g} s (upstream.stall_timeout_s); the stream was cut."
                 await self._broken(ex, response, message, CUT_STALL_TIMEOUT)
@@ -455,8 +432,8 @@ class Proxy:
                 await self._broken(ex, response, message, why)
         except UpstreamError:
             if ex.stop == "cancelled":  # the client's own cancel: no fault of the replica's
-                ex.error_code, ex.cut = "response_cancelled", CUT_CANCELLED
-                await _end_with_error(ex, response, GatewayError(CANCELLED, code="response_cancelled"))
+                ex.cut = CUT_CANCELLED
+                await end_with_error(ex, response, GatewayError(CANCELLED, code="response_cancelled"))
             else:
                 await self._broken(ex, response, "The replica's connection broke mid-stream.", CUT_UPSTREAM_CLOSED)
         except SseError as exc:
@@ -467,59 +444,63 @@ class Proxy:
             if not scanner.done:
                 await self._broken(ex, response, "The replica ended the stream early.", CUT_UPSTREAM_CLOSED)
         finally:
-            if ex.untrack is not None:
-                ex.untrack()
             ex.upstream_ended = clock()
             ex.usage = scanner.usage
             ex.answer = scanner.final
             ex.generated = scanner.events
             self.metrics.itl.merge((ex.call.model,), gaps)
-        if collector is not None and scanner.done and ex.error_code is None:
-            ex.completion = collector.result(scanner.usage, scanner.final)
         return response
 
     async def _write(
-        self, ex: Exchange, scanner: SseScanner, upstream: UpstreamResponse, response: web.StreamResponse, out: bytes
-    ) -> None:
-        """Send whole events on to the client, once what the request asked of them is done: a
-        Responses stream's id made cancellable (``Exchange.on_start``), its answer kept before
-        its end goes out (``Exchange.keep``), what the gateway took out of the request put
-        back (``Exchange.rewrite``)."""
-        if ex.on_start is not None and scanner.started is not None:
-            start, ex.on_start = ex.on_start, None
-            ex.untrack = start(scanner.started, lambda: _cancel(ex, upstream))
-        if scanner.done and ex.keep is not None:
-            out = await self._kept(ex, scanner, out)
-        if ex.rewrite is not None:
-            out = ex.rewrite(out)
+        self,
+        ex: Exchange,
+        scanner: SseScanner,
+        upstream: UpstreamResponse,
+        response: web.StreamResponse,
+        out: bytes,
+        announced: bool,
+    ) -> bool:
+        """Send whole events on to the client through the exchange's taps: told the stream's
+        answer once its first event names it (``Tap.started``), given the whole answer
+        before its end goes out (``Tap.ending``, which may put an error event in its place),
+        and each block (``Tap.events``). Returns whether the start was announced."""
+        taps = ex.taps
+        if taps:
+            if not announced and scanner.started is not None:
+                announced = True
+                started = scanner.started
+
+                def stop() -> None:
+                    _cancel(ex, upstream)
+
+                for tap in taps:
+                    tap.started(started, stop)
+            if scanner.done:
+                for tap in taps:
+                    refused = await tap.ending(scanner.final)
+                    if refused is not None:
+                        ex.error_code = refused.code
+                        out = ex.dialect.errors.event(refused.message, refused.code or "upstream_error", refused.type)
+                        break
+            for tap in taps:
+                out = tap.events(out)
         if out:
             await response.write(out)
-
-    async def _kept(self, ex: Exchange, scanner: SseScanner, out: bytes) -> bytes:
-        """The stream's last events, once its answer is kept (``Exchange.keep``): the next
-        turn may then be sent the moment the client sees the end. When it could not be kept
-        and must not go out unkept (``fail_closed``), an error event replaces them."""
-        keep, ex.keep = ex.keep, None
-        assert keep is not None
-        refused = await keep(scanner.final)
-        if refused is None:
-            return out
-        ex.error_code = refused.code
-        return ex.dialect.errors.event(refused.message, refused.code or "upstream_error", refused.type)
+        return announced
 
     async def _broken(self, ex: Exchange, response: web.StreamResponse, message: str, why: str) -> None:
         """End a stream the replica failed (``why``: its CUT_* reason) with an error event."""
         assert ex.replica is not None
-        self._failed(ex.replica, UpstreamFailure("stream", message))
+        self._failed(ex.replica, UpstreamFailure(Failure.STREAM, message))
         self.metrics.stream_errors.labels(ex.call.model).inc()
-        ex.error_code, ex.cut = "upstream_stream_error", why
+        ex.cut = why
         if why in (CUT_CHUNK_GAP, CUT_REPLICA_DOWN, CUT_STALL_TIMEOUT):
             replica = ex.replica
             log.warning(
                 "silent stream cut",
                 extra={"request_id": ex.request_id, "replica": replica.id, "cut": why, "state": replica.state.value},
             )
-        await _end_with_error(ex, response, BadGateway(message, code="upstream_stream_error"))
+        await end_with_error(ex, response, BadGateway(message, code="upstream_stream_error"))
 
 
 def _cancel(ex: Exchange, upstream: UpstreamResponse) -> None:
@@ -537,9 +518,9 @@ def _check_status(replica: Replica, status: int) -> None:
     ``api_key``), which is no fault of the client's and must not reach it as one.
     """
     if status >= 500:
-        raise UpstreamFailure("status", f"{replica.id} answered {status}", status)
+        raise UpstreamFailure(Failure.STATUS, f"{replica.id} answered {status}", status)
     if status in (401, 403):
-        raise UpstreamFailure("auth", f"{replica.id} refused the gateway's credentials ({status})", status)
+        raise UpstreamFailure(Failure.AUTH, f"{replica.id} refused the gateway's credentials ({status})", status)
 
 
 def _pass_retry_after(ex: Exchange, status: int, value: str) -> None:
@@ -549,39 +530,33 @@ def _pass_retry_after(ex: Exchange, status: int, value: str) -> None:
         ex.headers["Retry-After"] = value
 
 
-async def _end_with_error(ex: Exchange, response: web.StreamResponse, err: GatewayError) -> None:
-    """End a stream already under way with ``err`` as its API's error event."""
-    with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-        await response.write(ex.dialect.errors.event(err.message, err.code or "upstream_error", err.type))
-        await response.write_eof()
-
-
 def _attempt_failed(replica: Replica, exc: TimeoutError | UpstreamError, timed_out: str) -> UpstreamFailure:
     """The failure kind of an attempt the replica client gave up on (``timed_out``: what a
     plain timeout says of the replica)."""
     if isinstance(exc, ConnectTimeout):
-        return UpstreamFailure("connect_timeout", f"{replica.id}: {exc}")
+        return UpstreamFailure(Failure.CONNECT_TIMEOUT, f"{replica.id}: {exc}")
     if isinstance(exc, TimeoutError):
-        return UpstreamFailure("timeout", f"{replica.id} {timed_out}")
+        return UpstreamFailure(Failure.TIMEOUT, f"{replica.id} {timed_out}")
     if isinstance(exc, ResponseTooLarge):
-        return UpstreamFailure("too_large", f"{replica.id}: {exc}")
+        return UpstreamFailure(Failure.TOO_LARGE, f"{replica.id}: {exc}")
     if isinstance(exc, ReplicaDown):
-        return UpstreamFailure("replica_down", f"{replica.id}: {exc}")
-    return UpstreamFailure("connect", f"{replica.id}: {exc}")
+        return UpstreamFailure(Failure.REPLICA_DOWN, f"{replica.id}: {exc}")
+    return UpstreamFailure(Failure.CONNECT, f"{replica.id}: {exc}")
 
 
 def _exhausted(ex: Exchange, last: UpstreamFailure | None) -> GatewayError:
-    if ex.stop == "deadline" or (last is not None and last.kind == "deadline"):
+    kind = last.kind if last is not None else None
+    if ex.stop == "deadline" or kind is Failure.DEADLINE:
         return GatewayTimeout(
             f"The request's deadline passed after {ex.attempts} attempt(s).", code="deadline_exceeded"
         )
-    if last is not None and last.kind == "timeout":
+    if kind is Failure.TIMEOUT:
         return GatewayTimeout(f"The replica did not answer in time after {ex.attempts} attempt(s).")
-    if last is not None and last.kind == "connect_timeout":
+    if kind is Failure.CONNECT_TIMEOUT:
         return GatewayTimeout(
             f"No replica accepted a connection in time ({ex.attempts} attempt(s)).", code="upstream_connect_timeout"
         )
-    if last is not None and last.kind == "too_large":
+    if kind is Failure.TOO_LARGE:
         return BadGateway(
             "The replica's answer is larger than the gateway holds for a non-streamed request "
             "(upstream.max_response_bytes); ask for it streamed.",

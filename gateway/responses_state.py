@@ -1,20 +1,25 @@
 """Stored Responses: the gateway keeps them, so any replica and any gateway pod can continue a
 conversation (``/v1/responses`` with ``previous_response_id``) and serve ``GET``/``DELETE``.
 
+``ResponseState`` is the Responses path's ``recall`` stage and owns all of it: the recall,
+the keeping of the answer, the answer's rewrite, the cancel of a stream under way, and the
+retrieval endpoints.
+
 vLLM keeps a response only with ``VLLM_ENABLE_RESPONSES_API_STORE=1``, in one process's
 memory, without eviction; a fleet behind a gateway cannot rely on it. So:
 
-- before a request is classified, routed and admitted, ``recall`` expands its
+- before a request is classified, routed and admitted, the stage expands its
   ``previous_response_id`` into the full input (the stored turn's input, its output, then
   the new input): the replica sees a plain request, the prefix it shares with the last turn
   keeps the conversation on the replica that holds its KV blocks, and limits count the whole
   prompt. An id the tenant cannot read is a 404; a store that cannot answer is a 503, never
   a silently shorter context;
 - when the client asked to store (``store``, true by default as in OpenAI's API), the final
-  answer is kept (``keep``) *before* the client sees its end, so the next turn, sent the
-  moment this one ends, finds it on any pod. A store that fails then follows the tenant's
-  ``limits.on_store_failure``: ``fail_open`` answers all the same (not kept), ``fail_closed``
-  answers 503 (a stream ends with an error event instead of its last event);
+  answer is kept (``keep``, by the stage's ``Tap``) *before* the client sees its end, so the
+  next turn, sent the moment this one ends, finds it on any pod. A store that fails then
+  follows the tenant's ``limits.on_store_failure``: ``fail_open`` answers all the same (not
+  kept), ``fail_closed`` answers 503 (a stream ends with an error event instead of its last
+  event);
 - records are the tenant's alone (``conversations``): another tenant's id reads as unknown.
 
 What is kept, per response: the whole input it was given (expanded) and the response object
@@ -24,7 +29,7 @@ What is kept, per response: the whole input it was given (expanded) and the resp
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -32,22 +37,21 @@ from aiohttp import web
 
 from conversations.config import ResponsesSettings
 from conversations.store import RecordTooLarge, ResponseStore, StoreUnavailableError
-from dialects.base import Call
-from dialects.responses import input_items
+from dialects.responses import echo_previous, input_items
 from gateway.errors import BadRequest, GatewayError, NotFound, ServiceUnavailable
+from gateway.exchange import Exchange, Tap
 from gateway.metrics import GatewayMetrics
 from gateway.request import parse_call
 from gateway.settings import TenantSettings
 
 log = logging.getLogger("fleetgate.responses")
 
-# What the proxy calls with a Responses answer's final object before the client sees its end:
-# None when it may go out, else the error to answer instead.
-Keeper = Callable[[dict[str, Any] | None], Awaitable[GatewayError | None]]
-
 
 class ResponseState:
-    """The gateway's side of stored responses: expand, keep, and the retrieval endpoints."""
+    """The gateway's side of stored responses: the ``recall`` stage (expand, keep, rewrite,
+    cancel) and the retrieval endpoints."""
+
+    name = "recall"
 
     def __init__(self, store: ResponseStore, settings: ResponsesSettings, metrics: GatewayMetrics) -> None:
         self.store = store
@@ -66,31 +70,33 @@ class ResponseState:
 
     # -- the request path -------------------------------------------------------------------
 
-    async def recall(self, call: Call, tenant: TenantSettings) -> tuple[Call, Keeper | None, str | None]:
-        """``call`` with its ``previous_response_id`` expanded, the keeper of its answer
-        (None when the client asked not to store it), and the conversation's id: its first
-        response's (None for a first turn), a session key for routing."""
+    async def __call__(self, ex: Exchange, request: web.Request) -> None:
+        """The stage: ``ex.call`` with its ``previous_response_id`` expanded, and
+        ``ex.chain`` the conversation's id (its first response's; None for a first turn), a
+        session key for routing. The tap it installs keeps the answer (unless the client
+        asked not to store it), puts the previous id back in it, and makes a stream
+        cancellable while it runs."""
+        tenant = ex.tenant
+        assert tenant is not None
+        call = ex.call
         body = call.body
         previous = body.get("previous_response_id")
         items = input_items(body)
-        chain: str | None = None
         if previous is not None:
             record = await self._read(tenant.id, previous, "previous_response_id")
             history = [*record.get("input", ()), *_output_items(record.get("response"))]
             items = [*history, *items]
-            expanded = {**body, "input": items}
-            call = parse_call(call.dialect, orjson.dumps(expanded))
+            ex.call = parse_call(call.dialect, orjson.dumps({**body, "input": items}))
             kept = record.get("chain")  # records kept before chains were: the previous id
-            chain = kept if isinstance(kept, str) else previous
-        if body.get("store") is False:
-            return call, None, chain
+            ex.chain = kept if isinstance(kept, str) else previous
+        keep = body.get("store") is not False
+        if keep or previous is not None or call.stream:
+            tap = _ResponseTap(self, tenant, items, previous, ex.chain, keep)
+            ex.taps.append(tap)
+            if call.stream:
+                ex.release(tap.forget)
 
-        async def keep(final: dict[str, Any] | None) -> GatewayError | None:
-            return await self._keep(tenant, items, previous, chain, final)
-
-        return call, keep, chain
-
-    async def _keep(
+    async def keep(
         self,
         tenant: TenantSettings,
         items: list[Any],
@@ -127,23 +133,18 @@ class ResponseState:
         self._count("put", "ok")
         return None
 
-    def track(self, tenant_id: str) -> Callable[[dict[str, Any], Callable[[], None]], Callable[[], None]]:
-        """What makes a stream of ``tenant_id``'s cancellable once its id is known; it returns
-        what forgets it again (``Exchange.on_start``)."""
+    def track(self, tenant_id: str, response: dict[str, Any], stop: Callable[[], None]) -> tuple[str, str] | None:
+        """A stream of ``tenant_id``'s made cancellable once its id is known; the key that
+        forgets it again (``untrack``)."""
+        response_id = response.get("id")
+        if not isinstance(response_id, str):
+            return None
+        key = (tenant_id, response_id)
+        self._running[key] = (response, stop)
+        return key
 
-        def start(response: dict[str, Any], stop: Callable[[], None]) -> Callable[[], None]:
-            response_id = response.get("id")
-            if not isinstance(response_id, str):
-                return _nothing
-            key = (tenant_id, response_id)
-            self._running[key] = (response, stop)
-
-            def forget() -> None:
-                self._running.pop(key, None)
-
-            return forget
-
-        return start
+    def untrack(self, key: tuple[str, str]) -> None:
+        self._running.pop(key, None)
 
     # -- the retrieval endpoints ------------------------------------------------------------
 
@@ -214,8 +215,49 @@ class ResponseState:
         self.metrics.responses_store.labels(op, outcome).inc()
 
 
-def _nothing() -> None:
-    return None
+class _ResponseTap(Tap):
+    """One Responses request's answer on its way out: kept before its end reaches the client
+    (when asked), its ``previous_response_id`` put back, its stream cancellable meanwhile."""
+
+    __slots__ = ("_chain", "_items", "_keep", "_previous", "_rewrite", "_state", "_tenant", "_tracked")
+
+    def __init__(
+        self,
+        state: ResponseState,
+        tenant: TenantSettings,
+        items: list[Any],
+        previous: str | None,
+        chain: str | None,
+        keep: bool,
+    ) -> None:
+        self._state = state
+        self._tenant = tenant
+        self._items = items
+        self._previous = previous
+        self._chain = chain
+        self._keep = keep
+        self._rewrite = echo_previous(previous) if previous is not None else None
+        self._tracked: tuple[str, str] | None = None
+
+    def started(self, answer: dict[str, Any], stop: Callable[[], None]) -> None:
+        self._tracked = self._state.track(self._tenant.id, answer, stop)
+
+    def forget(self, _: BaseException | None) -> None:
+        if self._tracked is not None:
+            self._state.untrack(self._tracked)
+            self._tracked = None
+
+    async def ending(self, final: dict[str, Any] | None) -> GatewayError | None:
+        if not self._keep:
+            return None
+        self._keep = False  # once, whoever asks (a replay, then never the proxy)
+        return await self._state.keep(self._tenant, self._items, self._previous, self._chain, final)
+
+    def events(self, out: bytes) -> bytes:
+        return self._rewrite(out) if self._rewrite is not None else out
+
+    def body(self, body: bytes) -> bytes:
+        return self._rewrite(body) if self._rewrite is not None else body
 
 
 def _output_items(response: Any) -> list[Any]:

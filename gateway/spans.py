@@ -17,10 +17,9 @@ spans to build, export, store and pay for, for timings an attribute carries as w
 Attribute names follow OpenTelemetry's GenAI semantic conventions:
 https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/
 
-Why not the OpenTelemetry SDK: measured here (bench/results/tracing-overhead.md), building
-its span objects and encoding them to protobuf cost ~100-200 µs per request, a third to a
-half of the gateway's requests/s with every request sampled. Here the request path only
-notes times on a ``Timeline`` (nothing when off or not sampled); when the request is over,
+Why not the OpenTelemetry SDK: building its span objects and encoding them to protobuf
+costs several times what the rest of a request does (bench/results/tracing-overhead.md).
+Here the request path only notes times on a ``Timeline`` (nothing when off or not sampled); when the request is over,
 its spans are written as OTLP JSON text
 (https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding) straight into the body
 of the export batch they go out in, which is posted from the event loop; no dependency is

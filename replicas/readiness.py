@@ -1,9 +1,8 @@
 """When the fleet's state is known: the gateway's readiness at start.
 
 A gateway that takes traffic before it knows its fleet answers every request 503
-``no_healthy_replica``: in a rolling update the new pod joins the Service, and its first
-second of requests fails (issue 34). So readiness waits, once, until the fleet's state is
-known:
+``no_healthy_replica``: in a rolling update the new pod would join the Service and fail its
+first requests. So readiness waits, once, until the fleet's state is known:
 
 - every Kubernetes discovery source has handed over its first list;
 - every external and discovered replica has had the verdict of its first probe (up or

@@ -72,21 +72,21 @@ def logged(log: io.BytesIO, gw: Gateway) -> list[dict[str, Any]]:
 
 def test_the_path_is_declared_in_order(tmp_path: Path) -> None:
     gw, _ = gateway(tmp_path)
-    names = [stage.__name__ for stage in gw.stages.paths[CHAT]]
+    names = [stage.name for stage in gw.paths[CHAT]]
     assert names == ["authenticate", "parse", "classify", "admit", "look_up_cache", "queue", "forward"]
     # Responses recall their stored conversation before anything reads the prompt.
-    names = [stage.__name__ for stage in gw.stages.paths[RESPONSES_API]]
+    names = [stage.name for stage in gw.paths[RESPONSES_API]]
     assert names == ["authenticate", "parse", "recall", "classify", "admit", "look_up_cache", "queue", "forward"]
 
 
 def test_no_cache_stage_when_no_tenant_uses_the_cache(tmp_path: Path) -> None:
     gw, _ = gateway(tmp_path, cache={"enabled": False})
-    assert "look_up_cache" not in [stage.__name__ for stage in gw.stages.paths[CHAT]]
+    assert "look_up_cache" not in [stage.name for stage in gw.paths[CHAT]]
     # A reload that turns it on for a tenant brings the stage back.
     gw.apply_tenants(
         [t.model_copy(update={"cache": t.cache.model_copy(update={"enabled": True})}) for t in gw.settings.tenants], []
     )
-    assert "look_up_cache" in [stage.__name__ for stage in gw.stages.paths[CHAT]]
+    assert "look_up_cache" in [stage.name for stage in gw.paths[CHAT]]
 
 
 async def test_a_request_without_a_key_stops_at_authenticate(tmp_path: Path) -> None:

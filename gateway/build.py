@@ -1,0 +1,194 @@
+"""The composition root's parts: each component built from its own section of the settings,
+and each API's request path built from the stages' own parts.
+
+``Gateway`` (``gateway.app``) calls these once at start; ``paths`` again when tenants reload.
+A component is handed only what it uses: a settings section, a frozen view of one
+(``BodyLimits``, ``ModelRules``, ``QueueRules``), or another component.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from cache.metrics import CacheMetrics
+from cache.service import ResponseCache, create_response_cache
+from common.breaker import BreakerConfig
+from conversations.factory import create_response_store
+from dialects.base import Dialect
+from dialects.registry import DIALECTS
+from dialects.responses import RESPONSES_API
+from gateway.auth import KeyRing
+from gateway.autoscale import PendingTokens
+from gateway.lora import AdapterLoader
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Proxy
+from gateway.responses_state import ResponseState
+from gateway.settings import ConfigError, Settings, TenantSettings, chunk_gaps
+from gateway.stages import Stage
+from gateway.stages.admit import Admit
+from gateway.stages.classify import Classify, ModelRules
+from gateway.stages.forward import Forward, LoadAdapter
+from gateway.stages.intake import Authenticate, BodyLimits, Parse
+from gateway.stages.lookup import LookUpCache
+from gateway.stages.queueing import Queue, QueueRules
+from limits.limiter import Limiter, LimiterOptions, create_limiter
+from limits.metrics import LimitsMetrics
+from redisconn.config import RedisSecurity
+from replicas.credentials import CredentialError
+from replicas.fleet import Fleet
+from routing.adapters import AdapterCatalog, AdapterSpec
+from routing.embedding_head import EmbeddingHeadError, load_head
+from routing.metrics import RoutingMetrics
+from routing.router import PoolSpec, Router
+from routing.static_head import StaticHeadError, load_static_head
+
+
+def redis_security(settings: Settings) -> RedisSecurity:
+    """The credentials and TLS every Redis store shares (a password's variable or file is
+    only read at start, so a missing one fails here)."""
+    try:
+        return settings.redis.resolve(os.environ)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def proxy(settings: Settings, metrics: GatewayMetrics, clock: Callable[[], float]) -> Proxy:
+    return Proxy(settings.upstream, metrics, clock, chunk_gaps=chunk_gaps(settings))
+
+
+def fleet(settings: Settings, proxy: Proxy, log_dir: Path, clock: Callable[[], float]) -> Fleet:
+    """The replicas of every model; one a health check takes down has its waiting requests
+    moved elsewhere at once (``Proxy.abandon``)."""
+    try:
+        return Fleet(
+            settings.models,
+            settings.health,
+            restart=settings.restart,
+            log_dir=log_dir,
+            clock=clock,
+            on_down=proxy.abandon,
+        )
+    except CredentialError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def response_cache(settings: Settings, metrics: GatewayMetrics, security: RedisSecurity) -> ResponseCache:
+    return create_response_cache(
+        settings.redis_url,
+        settings.cache,
+        CacheMetrics(metrics.registry),
+        # The embedder also loads at start for a classifier told to embed every auto request.
+        start_semantic=any(t.cache.enabled and t.cache.semantic.enabled for t in settings.tenants)
+        or settings.routing.classifier.embedding == "always",
+        security=security,
+    )
+
+
+def response_state(
+    settings: Settings, metrics: GatewayMetrics, security: RedisSecurity, clock: Callable[[], float]
+) -> ResponseState:
+    store = create_response_store(settings.redis_url, settings.responses, security, clock=clock)
+    return ResponseState(store, settings.responses, metrics)
+
+
+def limiter(settings: Settings, metrics: GatewayMetrics, security: RedisSecurity) -> Limiter:
+    ls = settings.limits
+    options = LimiterOptions(
+        lease_ttl_s=ls.lease_ttl_s,
+        heartbeat_s=ls.heartbeat_s,
+        breaker=BreakerConfig(failures=ls.breaker_failures, cooldown_s=ls.breaker_cooldown_s),
+        redis_timeout_s=ls.redis_timeout_ms / 1000,
+    )
+    metered = LimitsMetrics(metrics.registry)
+    return create_limiter(settings.redis_url, options=options, metrics=metered, security=security)
+
+
+def router(
+    settings: Settings, fleet: Fleet, metrics: RoutingMetrics, rng: random.Random, clock: Callable[[], float]
+) -> Router:
+    """Every model's pool, and the classifier with the heads its settings name."""
+    classifier = settings.routing.classifier
+    try:
+        head = None if classifier.embedding == "never" else load_head(classifier.embedding_head_path)
+    except EmbeddingHeadError as exc:
+        raise ConfigError(f"routing.classifier.embedding_head_path: {exc}") from exc
+    try:
+        static = load_static_head(classifier.static_head_path) if classifier.static_head_path else None
+    except StaticHeadError as exc:
+        raise ConfigError(f"routing.classifier.static_head_path: {exc}") from exc
+    return Router.build(
+        settings.routing,
+        [PoolSpec(m.name, m.tier, tuple(m.fallback), m.capacity) for m in settings.models],
+        fleet.by_model,
+        rng=rng,
+        clock=clock,
+        metrics=metrics,
+        head=head,
+        static=static,
+    )
+
+
+def adapters(settings: Settings, fleet: Fleet, proxy: Proxy, clock: Callable[[], float]) -> AdapterLoader:
+    configured = [AdapterSpec(a.name, m.name, a.path) for m in settings.models for a in m.adapters]
+    return AdapterLoader(
+        AdapterCatalog(configured, fleet.by_model),
+        fleet.by_model,
+        lambda: proxy.client,
+        timeout_s=settings.upstream.adapter_load_timeout_s,
+        clock=clock,
+    )
+
+
+class PathParts:
+    """What the stages are built from: the gateway's components and the settings' views."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        fleet: Fleet,
+        router: Router,
+        limiter: Limiter,
+        cache: ResponseCache,
+        proxy: Proxy,
+        pending: PendingTokens,
+        routing_metrics: RoutingMetrics,
+        responses: ResponseState,
+        adapters: AdapterLoader,
+        clock: Callable[[], float],
+    ) -> None:
+        self.parse = Parse(BodyLimits.from_settings(settings.server))
+        self.classify = Classify(
+            ModelRules.from_settings(settings), router, fleet, adapters.catalog, pending, cache, clock
+        )
+        self.admit = Admit(limiter, clock)
+        self.look_up_cache = LookUpCache(cache, settings.upstream, clock)
+        self.load_adapter = LoadAdapter(adapters) if adapters.loads else None
+        self.queue = Queue(QueueRules.from_settings(settings), router, fleet.tiers, routing_metrics, clock)
+        self.forward = Forward(proxy)
+        self.recall = responses
+        self.clock = clock
+
+    def paths(self, keyring: KeyRing, tenants: Mapping[str, TenantSettings]) -> dict[Dialect, tuple[Stage, ...]]:
+        """Each API's path, top to bottom: the same for all but Responses, whose stored
+        conversation is recalled before anything reads its prompt. Built with the tenants:
+        their keys, and whether any uses the cache."""
+        authenticate = Authenticate(keyring, tenants, self.clock)
+        uses_cache = any(t.cache.enabled for t in tenants.values())
+        return {
+            dialect: (
+                authenticate,
+                self.parse,
+                *((self.recall,) if dialect is RESPONSES_API else ()),
+                self.classify,
+                self.admit,
+                *((self.look_up_cache,) if uses_cache else ()),
+                *((self.load_adapter,) if self.load_adapter is not None else ()),
+                self.queue,
+                self.forward,
+            )
+            for dialect in DIALECTS
+        }
