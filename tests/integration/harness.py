@@ -88,8 +88,19 @@ async def in_process_gateway(config: dict[str, Any], tmp_path: Path) -> AsyncIte
         yield url, gateway, access
 
 
+# The endpoints a test harness polls while it waits (readiness, metrics): their access
+# lines are the harness's, not the test's.
+PROBE_ENDPOINTS = frozenset({"healthz", "readyz", "metrics"})
+
+
 def access_lines(access: io.BytesIO) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in access.getvalue().splitlines()]
+    """The access-log lines of the requests a test sent (the harness's own probes left out)."""
+    return request_lines(access.getvalue())
+
+
+def request_lines(raw: bytes) -> list[dict[str, Any]]:
+    lines = (orjson.loads(line) for line in raw.splitlines())
+    return [line for line in lines if line.get("endpoint") not in PROBE_ENDPOINTS]
 
 
 class _ScriptedUpstream:

@@ -43,6 +43,7 @@ from tests.integration.harness import (
     GatewayProcess,
     gateway_process,
     in_process_gateway,
+    request_lines,
     sim_upstream,
     tenants,
     unreachable_port,
@@ -55,7 +56,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 def access_lines(gw: GatewayProcess) -> list[dict[str, Any]]:
     time.sleep(0.3)  # flushed within 0.1 s
-    return [orjson.loads(line) for line in gw.stdout_path.read_bytes().splitlines()]
+    return request_lines(gw.stdout_path.read_bytes())
 
 
 def error_lines(gw: GatewayProcess) -> list[str]:
