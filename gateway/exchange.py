@@ -21,8 +21,8 @@ from dialects.base import Call, Dialect
 
 if TYPE_CHECKING:
     from cache.coalesce import Leader
-    from cache.entry import CachedCompletion, Kind
     from cache.keys import CachePlan
+    from dialects.answer import Answers, CachedCompletion
     from gateway.responses_state import Keeper
     from gateway.settings import TenantSettings
     from gateway.spans import Timeline
@@ -148,9 +148,9 @@ class Exchange:
     tried: set[str] = field(default_factory=set)
     # The client's stream, once prepared (keep-alives or the first event sent).
     response: web.StreamResponse | None = None
-    # Set when the answer may be cached: its kind (the dialect's ``cache_kind``) and, once the
-    # response ended well, the answer itself.
-    cache_kind: Kind | None = None
+    # Set when the answer may be cached: its kind (the dialect's ``answers``, which folds it)
+    # and, once the response ended well, the answer itself.
+    cache_kind: Answers | None = None
     cache_max_chars: int = 0
     completion: CachedCompletion | None = None
     # Token events relayed (settles limits when a broken stream never reported usage).

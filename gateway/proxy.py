@@ -42,8 +42,6 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from cache.collect import stream_collector
-from cache.entry import from_json_response
 from dialects.stream import SseError, SseScanner
 from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
 from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange, Picker
@@ -250,7 +248,7 @@ class Proxy:
             ex.usage = ex.dialect.usage(parsed)
             ex.answer = parsed
             if ex.cache_kind is not None:
-                ex.completion = from_json_response(ex.cache_kind, body)
+                ex.completion = ex.cache_kind.from_json(body)
         else:
             ex.error_code = "upstream_client_error"
             body, ctype = ex.dialect.errors.from_upstream(status, body), "application/json"
@@ -403,7 +401,7 @@ class Proxy:
             ex.response = await self.prepare(ex, request)
         response = ex.response
         scanner = ex.call.dialect.scanner(ex.call)
-        collector = stream_collector(ex.cache_kind, max_chars=ex.cache_max_chars) if ex.cache_kind else None
+        collector = ex.cache_kind.collector(ex.cache_max_chars) if ex.cache_kind else None
         gaps = self.metrics.itl.new_gaps()
         clock = self.clock
         out, n = scanner.feed(first)

@@ -41,10 +41,9 @@ import orjson
 from aiohttp import web
 
 from cache.coalesce import Leader
-from cache.entry import CachedCompletion
-from cache.replay import new_completion_id, replay_object, replay_sse
 from cache.semantic.cache import TextEmbedding
 from cache.service import CacheHit, ResponseCache
+from dialects.answer import CachedCompletion
 from dialects.base import Call, Dialect
 from dialects.registry import DIALECTS
 from dialects.responses import RESPONSES_API, echo_previous
@@ -255,12 +254,12 @@ class Stages:
         call, tenant, model = ex.call, ex.tenant, ex.model
         assert tenant is not None and model is not None
         plan = self.cache.plan(
-            tenant.id, model, ex.dialect.path, call.body, tenant.cache, request.headers.get("Cache-Control")
+            tenant.id, model, ex.dialect, call.body, tenant.cache, request.headers.get("Cache-Control")
         )
         ex.plan = plan
         hit: CacheHit | None = None
         if plan.key is not None:
-            ex.cache_kind = call.dialect.cache_kind
+            ex.cache_kind = call.dialect.answers
             ex.cache_max_chars = tenant.cache.max_entry_bytes
             hit = await self.cache.find(plan)
             if hit is None and plan.coalesce:
@@ -371,7 +370,7 @@ class Stages:
         embedding, fallback, text = None, "", None
         if self.router.head is not None:  # routing.classifier.embedding is not "never"
             cache_control = request.headers.get("Cache-Control")
-            shared = self.cache.semantic_text(ex.dialect.path, call.body, tenant.cache, cache_control)
+            shared = self.cache.semantic_text(ex.dialect, call.body, tenant.cache, cache_control)
             text = self.router.text_to_embed(prompt, shared, forced, allowed)
         if text is not None:
             embedding, fallback = await self._embedding(text)
@@ -425,8 +424,10 @@ class Stages:
         ex.usage = cached.usage
         ex.status = 200
         ex.first_token_at = self.clock()
-        completion_id, created = new_completion_id(cached.kind), int(time.time())
-        answer = replay_object(cached, completion_id=completion_id, created=created, request=call.body)
+        answers = call.dialect.answers
+        assert answers is not None  # a hit has a key: the dialect's answers are cached
+        completion_id, created = answers.new_id(), int(time.time())
+        answer = answers.replay_object(cached, completion_id=completion_id, created=created, request=call.body)
         if ex.keep is not None:
             keep, ex.keep = ex.keep, None
             refused = await keep(answer)
@@ -440,7 +441,7 @@ class Stages:
                 return ex.response
         if not call.stream:
             return web.Response(body=orjson.dumps(answer), content_type="application/json", headers=ex.headers)
-        events = replay_sse(
+        events = answers.replay_sse(
             cached,
             completion_id=completion_id,
             created=created,
