@@ -65,7 +65,6 @@ from cache.config import (  # noqa: E402
     SemanticCacheSettings,
     SemanticServiceSettings,
 )
-from cache.entry import CachedCompletion  # noqa: E402
 from cache.keys import exact_key, semantic_query, split_key  # noqa: E402
 from cache.metrics import EMBED_BATCH_BUCKETS, CacheMetrics  # noqa: E402
 from cache.redis_store import RedisStore  # noqa: E402
@@ -76,10 +75,12 @@ from cache.semantic.index import SemanticEntry  # noqa: E402
 from cache.semantic.redis_store import RedisSemanticStore  # noqa: E402
 from cache.service import ResponseCache, create_response_cache  # noqa: E402
 from capacity.stats import percentile  # noqa: E402
+from dialects.answer import CachedCompletion  # noqa: E402
+from dialects.openai import CHAT  # noqa: E402
 from tests.integration.redis_server import RedisServer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-TENANT, MODEL, CHAT = "bench", "m", "/v1/chat/completions"
+TENANT, MODEL = "bench", "m"
 CONCURRENCY = (1, 32, 256)
 # Lookups timed per concurrency level (each a text not asked before).
 LOOKUPS = {1: 300, 32: 640, 256: 1024}

@@ -31,7 +31,7 @@ import asyncio
 from enum import StrEnum
 from types import TracebackType
 
-from cache.entry import CachedCompletion
+from dialects.answer import CachedCompletion
 
 
 class Wake(StrEnum):

@@ -18,11 +18,8 @@ Left out of the key (``NOT_IN_KEY``):
     service_tier     latency class, not content
     priority, request_id   vLLM scheduling and tracing
 
-and, for one kind only (``KIND_NOT_IN_KEY``; chat's and completions' key material is
-unchanged by them):
-
-    previous_response_id   Responses: the gateway has already expanded it into ``input``
-                           (``gateway.responses_state``), which the key covers whole
+and whatever the request's dialect adds (``Answers.key_excluded``: a field the gateway has
+already folded into others), which leaves every other API's key material unchanged.
 
 Canonical form (``canonical_body``): keys sorted at every depth, no whitespace (orjson
 re-serialises the parsed body, so the client's key order and spacing vanish), ``null``
@@ -33,19 +30,21 @@ into ``max_tokens`` (both mean the same cap), and documented defaults dropped (`
 ``messages``, ``prompt`` or ``tools`` is rewritten: a chat template may render ``"text"``
 and ``[{"type": "text", ...}]`` differently, so they stay different keys.
 
-Which requests (``cacheability``): the four kinds of ``Dialect.cache_kind`` (chat,
-completions, Responses, Messages) under the same rules: greedy (``temperature`` 0 or
-``top_k`` 1) or seeded (where the API takes a ``seed``: not Messages) unless the tenant opts
-in to sampled ones, one answer per request, no log-probabilities.
+Which requests (``cacheability``): those of a dialect with ``answers`` (the exact cache
+keeps and replays what that object folds), under the same rules: greedy (``temperature`` 0
+or ``top_k`` 1) or seeded (where the API takes a ``seed``, ``Answers.takes_seed``) unless
+the tenant opts in to sampled ones, one answer per request (one prompt: ``several_prompts``),
+no log-probabilities (``wants_logprobs``). Every function here takes the request's
+``Dialect``; the API's rules are its ``answers``', the cache's the same for all.
 
 Tenant isolation: the tenant's scope is hashed into the digest *and* prefixes the key
 (``<scope>:<sha256 hex>``), so a hit across tenants would need a SHA-256 collision, and a
 store can place each tenant's entries under its own Redis hash tag.
 
 The semantic cache (``semantic_query``) splits the same canonical body in two: the text
-it compares by meaning (the last user message, or the completions prompt) and everything
-else, which must match exactly. That rest (system prompt, earlier turns, tools, sampling
-parameters, endpoint, model, tenant) is hashed into a *semantic scope*,
+it compares by meaning (the dialect's ``question``) and everything else, which must match
+exactly. That rest (system prompt, earlier turns, tools, sampling parameters, endpoint,
+model, tenant) is hashed into a *semantic scope*,
 ``<tenant>:<sha256 hex>``; only entries of the same scope are ever compared.
 """
 
@@ -59,8 +58,8 @@ from typing import Any
 import orjson
 
 from cache.config import CacheSettings
-from cache.entry import Kind
-from dialects.registry import BY_PATH, DIALECTS
+from dialects.answer import Answers
+from dialects.base import Dialect
 
 # Bump when the canonical form changes: old entries then simply stop matching.
 KEY_VERSION = "fg-exact-1"
@@ -69,12 +68,6 @@ SEMANTIC_SCOPE_VERSION = "fg-semantic-1"
 NOT_IN_KEY = frozenset(
     {"model", "stream", "stream_options", "user", "metadata", "store", "service_tier", "priority", "request_id"}
 )
-# Left out of one kind's keys besides NOT_IN_KEY, so that the other kinds' keys stay as they were.
-KIND_NOT_IN_KEY: dict[str, frozenset[str]] = {"responses": frozenset({"previous_response_id"})}
-# The kinds whose API takes a ``seed`` that fixes sampling; Anthropic's Messages has none.
-SEEDED_KINDS = frozenset({"chat", "completion", "responses"})
-# Responses: the ``include`` value that asks for the text's log-probabilities.
-RESPONSES_LOGPROBS = "message.output_text.logprobs"
 # Sampling parameters whose integer and float spellings mean the same thing.
 FLOAT_FIELDS = frozenset(
     {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty"}
@@ -88,9 +81,6 @@ DEFAULTS: dict[str, Any] = {
     "logprobs": False,
     "echo": False,
 }
-
-# The endpoints the exact cache serves: those whose dialect names a kind of answer it keeps.
-ENDPOINT_KINDS: dict[str, Kind] = {d.path: d.cache_kind for d in DIALECTS if d.cache_kind is not None}
 
 # Escaped in a scope so it cannot forge the ':' separator or a Redis hash tag.
 _SCOPE_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
@@ -167,13 +157,13 @@ class CachePlan:
 def plan_request(
     scope: str,
     model: str,
-    endpoint: str,
+    dialect: Dialect,
     body: dict[str, Any],
     settings: CacheSettings,
     cache_control: str | None,
 ) -> CachePlan:
     """Decide lookup / store / coalesce for one request, and compute its key if any is needed."""
-    verdict = cacheability(endpoint, body, settings)
+    verdict = cacheability(dialect, body, settings)
     if verdict is not Cacheability.CACHEABLE:
         return CachePlan(key=None, lookup=False, store=False, reason=verdict)
     directives = parse_cache_control(cache_control)
@@ -184,36 +174,30 @@ def plan_request(
         reason = Cacheability.NO_CACHE
     elif not directives.store:
         reason = Cacheability.NO_STORE
-    key = exact_key(scope, model, endpoint, body)
+    key = exact_key(scope, model, dialect, body)
     return CachePlan(key=key, lookup=directives.lookup, store=directives.store, reason=reason)
 
 
-def endpoint_kind(endpoint: str) -> Kind | None:
-    """The kind of answer (``"chat"``, ``"completion"``, ``"responses"``, ``"messages"``) for
-    the endpoints the exact cache serves, else None."""
-    return ENDPOINT_KINDS.get(endpoint)
-
-
-def cacheability(endpoint: str, body: dict[str, Any], settings: CacheSettings) -> Cacheability:
+def cacheability(dialect: Dialect, body: dict[str, Any], settings: CacheSettings) -> Cacheability:
     """Whether the exact cache may answer (and keep) this request, by the tenant's settings."""
     if not settings.enabled:
         return Cacheability.DISABLED
-    kind = endpoint_kind(endpoint)
-    if kind is None:
+    answers = dialect.answers
+    if answers is None:
         return Cacheability.ENDPOINT
     n = body.get("n")
     if n is not None and n != 1:
         return Cacheability.MULTIPLE_CHOICES
-    if kind == "completion" and _is_batch(body.get("prompt")):
+    if answers.several_prompts(body):
         return Cacheability.BATCH_PROMPT
-    if _wants_logprobs(body) or (kind == "responses" and _includes_logprobs(body)):
+    if answers.wants_logprobs(body):
         return Cacheability.LOGPROBS
-    if not settings.cache_nondeterministic and not is_deterministic(body, kind):
+    if not settings.cache_nondeterministic and not is_deterministic(body, takes_seed=answers.takes_seed):
         return Cacheability.NONDETERMINISTIC
     return Cacheability.CACHEABLE
 
 
-def is_deterministic(body: dict[str, Any], kind: Kind = "chat") -> bool:
+def is_deterministic(body: dict[str, Any], *, takes_seed: bool = True) -> bool:
     """Greedy decoding (temperature 0 or top_k 1) or, where the API takes one, a fixed seed.
 
     An absent temperature is OpenAI's, Anthropic's and vLLM's default of 1: sampling.
@@ -225,12 +209,12 @@ def is_deterministic(body: dict[str, Any], kind: Kind = "chat") -> bool:
     if _is_number(top_k) and top_k == 1:
         return True
     seed = body.get("seed")
-    return kind in SEEDED_KINDS and isinstance(seed, int) and not isinstance(seed, bool)
+    return takes_seed and isinstance(seed, int) and not isinstance(seed, bool)
 
 
 def canonical_body(body: dict[str, Any], also_excluded: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The fields that change the answer, in one spelling (see the module docstring);
-    ``also_excluded``: a kind's own exclusions (``KIND_NOT_IN_KEY``)."""
+    ``also_excluded``: the dialect's own exclusions (``Answers.key_excluded``)."""
     out: dict[str, Any] = {}
     for name, value in body.items():
         if name in NOT_IN_KEY or value is None or name in also_excluded:
@@ -252,8 +236,8 @@ def canonical_body(body: dict[str, Any], also_excluded: frozenset[str] = frozens
     return out
 
 
-def exact_key(scope: str, model: str, endpoint: str, body: dict[str, Any]) -> str:
-    """``<scope>:<sha256 hex>`` for the request ``body`` sent to ``endpoint`` for ``model``.
+def exact_key(scope: str, model: str, dialect: Dialect, body: dict[str, Any]) -> str:
+    """``<scope>:<sha256 hex>`` for the request ``body`` sent to ``dialect``'s path for ``model``.
 
     ``scope`` is the tenant id. ``model`` is what decides which weights answer: the name
     the client asked for (so ``"auto"`` requests share entries among themselves, keyed by
@@ -261,13 +245,13 @@ def exact_key(scope: str, model: str, endpoint: str, body: dict[str, Any]) -> st
     ``"auto@large"``, when a header overrides the classifier.
     """
     material = orjson.dumps(
-        [KEY_VERSION, scope, model, endpoint, canonical_body(body, _kind_excluded(endpoint))],
+        [KEY_VERSION, scope, model, dialect.path, canonical_body(body, _excluded(dialect.answers))],
         option=orjson.OPT_SORT_KEYS,
     )
     return f"{escape_scope(scope)}:{hashlib.sha256(material).hexdigest()}"
 
 
-def semantic_query(scope: str, model: str, endpoint: str, body: dict[str, Any]) -> SemanticQuery | None:
+def semantic_query(scope: str, model: str, dialect: Dialect, body: dict[str, Any]) -> SemanticQuery | None:
     """The text to match by meaning and the exact-match scope around it; None if there is none.
 
     The text is the dialect's question (``semantic_text``). The scope hashes
@@ -275,29 +259,27 @@ def semantic_query(scope: str, model: str, endpoint: str, body: dict[str, Any]) 
     message keeps its other fields), so every other field, known or not, splits the scope
     exactly as it splits the exact key.
     """
-    text = semantic_text(endpoint, body)
+    text = semantic_text(dialect, body)
     if text is None:
         return None
-    rest = BY_PATH[endpoint].without_question(body)
+    rest = dialect.without_question(body)
     material = orjson.dumps(
-        [SEMANTIC_SCOPE_VERSION, scope, model, endpoint, canonical_body(rest, _kind_excluded(endpoint))],
+        [SEMANTIC_SCOPE_VERSION, scope, model, dialect.path, canonical_body(rest, _excluded(dialect.answers))],
         option=orjson.OPT_SORT_KEYS,
     )
     return SemanticQuery(f"{escape_scope(scope)}:{hashlib.sha256(material).hexdigest()}", text)
 
 
-def semantic_text(endpoint: str, body: dict[str, Any]) -> str | None:
+def semantic_text(dialect: Dialect, body: dict[str, Any]) -> str | None:
     """The text ``semantic_query`` compares, stripped; None if the request has none.
 
-    The question of the endpoint's dialect (``Dialect.question``), for the endpoints the
-    exact cache serves: chat's last message, when it is a user message with string content;
-    the one completions prompt string. Responses and Messages have none (their dialects name
-    no question): they use the exact cache only. Known before the model is: the classifier
-    embeds the same text.
+    The dialect's question (``Dialect.question``), for the dialects whose answers the exact
+    cache keeps; a dialect that names no question uses the exact cache only. Known before
+    the model is: the classifier embeds the same text.
     """
-    if endpoint_kind(endpoint) is None:
+    if dialect.answers is None:
         return None
-    return BY_PATH[endpoint].question(body)
+    return dialect.question(body)
 
 
 def escape_scope(scope: str) -> str:
@@ -316,28 +298,9 @@ def split_key(key: str) -> tuple[str, str]:
 _NO_DEFAULT = object()
 
 
-def _kind_excluded(endpoint: str) -> frozenset[str]:
-    kind = endpoint_kind(endpoint)
-    return KIND_NOT_IN_KEY.get(kind, frozenset()) if kind is not None else frozenset()
+def _excluded(answers: Answers | None) -> frozenset[str]:
+    return answers.key_excluded if answers is not None else frozenset()
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_batch(prompt: Any) -> bool:
-    # A list of strings or of token-id lists is several prompts; a flat id list is one.
-    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
-
-
-def _wants_logprobs(body: dict[str, Any]) -> bool:
-    logprobs = body.get("logprobs")
-    # Chat: logprobs=true; completions: logprobs=<int>, where even 0 asks for the sampled token's.
-    if logprobs is not None and logprobs is not False:
-        return True
-    return body.get("top_logprobs") is not None or body.get("prompt_logprobs") is not None
-
-
-def _includes_logprobs(body: dict[str, Any]) -> bool:
-    include = body.get("include")
-    return isinstance(include, list) and RESPONSES_LOGPROBS in include

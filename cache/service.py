@@ -3,17 +3,21 @@
 Where each call sits on the request path (``gateway.app.Gateway.handle``)::
 
     3 admit          (limits reserve tokens as usual)
-    4 cache          plan = cache.plan(tenant.id, call.model, call.endpoint, call.body,
+    4 cache          plan = cache.plan(tenant.id, call.model, call.dialect, call.body,
                                        tenant.cache, request.headers.get("Cache-Control"))
                      hit = await cache.find(plan)     exact, then semantic -> replay, settle
                      lead = await cache.coalesce(plan.key, wait_s) if plan.coalesce
                                                       -> a CachedCompletion: replay, settle
-    7 proxy          with lead: ... collect the answer (entry.from_json_response, or the
-                     kind's entry.stream_collector fed each block the scanner returns,
-                     its result read with the scanner's usage and final answer) ...
+    7 proxy          with lead: ... collect the answer (the dialect's answers.from_json,
+                     or its answers.collector fed each block the scanner returns, its
+                     result read with the scanner's usage and final answer) ...
                          lead.publish(completion)
     8 settle         cache.store_later(plan.key, completion, tenant.cache, plan.semantic)
                      if plan.store
+
+The cache knows no API: what an answer looks like, how it is folded from a stream and
+replayed, and what of a body the key leaves out are the request's dialect's
+(``Dialect.answers``, ``dialects.answer``); here entries are only stored and found.
 
 Exact first: it costs one Redis read. Only on an exact miss, and only for tenants that
 enable it, does the semantic cache embed the request's text (``cache.semantic.cache``); its hit
@@ -38,9 +42,7 @@ from types import TracebackType
 from typing import Any
 
 from cache.coalesce import Coalescer, Leader, Wake
-from cache.collect import StreamCollector, stream_collector
 from cache.config import CacheServiceSettings, CacheSettings
-from cache.entry import CachedCompletion, EntryCorrupt, Kind
 from cache.keys import (
     Cacheability,
     CachePlan,
@@ -58,6 +60,8 @@ from cache.semantic.cache import SEMANTIC, SemanticCache
 from cache.semantic.redis_store import RedisSemanticStore, SemanticLog
 from cache.semantic.store import MemorySemanticStore, SemanticStore
 from cache.store import CacheStore, CacheUnavailable
+from dialects.answer import CachedCompletion, EntryCorrupt
+from dialects.base import Dialect
 from redisconn.config import RedisSecurity
 from redisconn.factory import ClientOptions, connect
 
@@ -121,18 +125,18 @@ class ResponseCache:
         self,
         tenant_id: str,
         model: str,
-        endpoint: str,
+        dialect: Dialect,
         body: dict[str, Any],
         settings: CacheSettings,
         cache_control: str | None,
     ) -> CachePlan:
         """What to do for this request (pure, see ``cache.keys.plan_request``), counted."""
-        plan = plan_request(tenant_id, model, endpoint, body, settings, cache_control)
+        plan = plan_request(tenant_id, model, dialect, body, settings, cache_control)
         if plan.reason is not Cacheability.CACHEABLE:
             self.metrics.bypassed(plan.reason.value).inc()
         if plan.key is None or not settings.semantic.enabled or self.semantic is None:
             return plan
-        query = semantic_query(tenant_id, model, endpoint, body)
+        query = semantic_query(tenant_id, model, dialect, body)
         if query is None:
             self.metrics.bypassed(SEMANTIC_NO_TEXT).inc()
             return plan
@@ -143,7 +147,7 @@ class ResponseCache:
         return replace(plan, semantic=query)
 
     def semantic_text(
-        self, endpoint: str, body: dict[str, Any], settings: CacheSettings, cache_control: str | None
+        self, dialect: Dialect, body: dict[str, Any], settings: CacheSettings, cache_control: str | None
     ) -> str | None:
         """The text the semantic cache will embed for this request (to look it up, or to store
         its answer), or None: the same conditions as ``plan``'s, known before the model is.
@@ -153,21 +157,15 @@ class ResponseCache:
         semantic = self.semantic
         if semantic is None or not settings.semantic.enabled:
             return None
-        if cacheability(endpoint, body, settings) is not Cacheability.CACHEABLE:
+        if cacheability(dialect, body, settings) is not Cacheability.CACHEABLE:
             return None
         directives = parse_cache_control(cache_control)
         if not directives.lookup and not directives.store:
             return None
-        text = semantic_text(endpoint, body)
+        text = semantic_text(dialect, body)
         if text is None or len(text) > semantic.settings.max_text_chars:
             return None
         return text
-
-    @staticmethod
-    def collector(kind: Kind, settings: CacheSettings) -> StreamCollector:
-        """A collector for a streamed answer that gives up once it could not be stored anyway."""
-        # Characters never outnumber UTF-8 bytes, so this bound is safe and cheap to check.
-        return stream_collector(kind, max_chars=settings.max_entry_bytes)
 
     @staticmethod
     def tokens_to_charge(completion: CachedCompletion, settings: CacheSettings) -> int:

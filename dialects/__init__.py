@@ -10,7 +10,9 @@ itself stays generic (Envoy AI Gateway's ``internal/endpointspec`` is the model)
     scanner            the stream's rules: framing, token events, usage, the end
     usage              the usage of a whole answer, in one normalised shape
     errors             the error envelope, and the error event of a broken stream
-    cache_kind         whether (and as what) the exact cache keeps its answers
+    answers            whether the exact cache keeps its answers, and how: the fold of a
+                       stream or a JSON answer into an entry, the replay of an entry as
+                       the API's JSON or events, the cache-key rules (``dialects.answer``)
 
 ``dialects.registry`` lists them all, in one place; the gateway adds a route per entry.
 """

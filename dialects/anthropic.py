@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dialects.answer import Answers
+from dialects.anthropic_answers import MESSAGES_ANSWERS, anthropic_usage
 from dialects.base import (
     CHARS_PER_TOKEN,
     TOKENS_PER_MESSAGE,
-    CacheKind,
     Call,
     Dialect,
     InvalidBody,
@@ -41,7 +42,7 @@ class Messages(Dialect):
     streams = True
     generates = True
     classifiable = True
-    cache_kind: CacheKind | None = "messages"
+    answers: Answers | None = MESSAGES_ANSWERS
     max_tokens_fields = ("max_tokens",)
     forward_headers = ANTHROPIC_HEADERS
     errors = ANTHROPIC
@@ -116,7 +117,7 @@ class CountTokens(Messages):
     streams = False
     generates = False
     classifiable = False
-    cache_kind = None
+    answers = None
 
     def parse(self, raw: bytes, content_type: str | None = None) -> Call:
         body = json_object(raw)
@@ -145,22 +146,6 @@ class MessagesScanner(TypedEventScanner):
                 self.usage = anthropic_usage(message.get("usage"), None)
         else:
             self.usage = anthropic_usage(data.get("usage"), self.usage)
-
-
-def anthropic_usage(usage: Any, before: dict[str, int] | None) -> dict[str, int] | None:
-    """Anthropic's ``usage`` (input tokens, cache reads and writes among them, and output
-    tokens) as ``prompt_tokens``/``completion_tokens``/``total_tokens``; a ``message_delta``'s
-    counts replace those ``before`` them, fields it leaves out keep their value."""
-    if not isinstance(usage, dict):
-        return before
-    prompt = before["prompt_tokens"] if before else 0
-    counted = [usage.get(f) for f in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
-    if any(isinstance(c, int) for c in counted):
-        prompt = sum(c for c in counted if isinstance(c, int))
-    completion = usage.get("output_tokens")
-    if not isinstance(completion, int):
-        completion = before["completion_tokens"] if before else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _blocks_text(content: Any) -> str:

@@ -9,13 +9,14 @@ them into a 400 in the dialect's envelope.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from dialects.envelopes import OPENAI, OpenAIErrors
 
 if TYPE_CHECKING:
+    from dialects.answer import Answers
     from dialects.envelopes import AnthropicErrors
     from dialects.stream import SseScanner
 
@@ -30,8 +31,6 @@ TOKENS_PER_MESSAGE = 4
 # request (a tool's JSON schema included) comes near either.
 MAX_JSON_DEPTH = 128
 JSON = "application/json"
-# The kinds of answer the exact cache keeps and replays (``cache.entry``).
-CacheKind: TypeAlias = Literal["chat", "completion", "responses", "messages"]
 # Separators of a prompt's segments (``PromptView.segments``): a role, then its text.
 ROLE_END, TURN_END = "\x1f", "\x1e"
 
@@ -110,8 +109,9 @@ class Dialect:
     generates: bool = False
     # Whether ``auto`` (and the tenant's classify_models) is classified into a tier.
     classifiable: bool = False
-    # The exact cache's kind for this API's answers (how ``cache.entry`` keeps them), or None.
-    cache_kind: CacheKind | None = None
+    # What the API does with its answers when the exact cache may keep them (fold, replay,
+    # key rules: ``dialects.answer``), or None: its answers are never cached.
+    answers: Answers | None = None
     # The body fields that cap generated tokens: the first one present is the one a clamp
     # lowers, else the last is set.
     max_tokens_fields: tuple[str, ...] = ("max_completion_tokens", "max_tokens")

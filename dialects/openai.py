@@ -26,6 +26,7 @@ from dialects.base import (
     string_list,
     text_of,
 )
+from dialects.openai_answers import CHAT_ANSWERS, COMPLETION_ANSWERS
 from dialects.stream import SseScanner
 
 
@@ -77,7 +78,7 @@ class _Generation(Dialect):
 
 class Chat(_Generation):
     name, path, operation, prompt_param = "chat", "/v1/chat/completions", "chat", "messages"
-    cache_kind = "chat"
+    answers = CHAT_ANSWERS
 
     def prompt_chars(self, body: dict[str, Any]) -> int:
         return _chat_chars(body.get("messages")) + schema_chars(body)
@@ -123,7 +124,7 @@ class Chat(_Generation):
 
 class Completions(_Generation):
     name, path, operation, prompt_param = "completions", "/v1/completions", "text_completion", "prompt"
-    cache_kind = "completion"
+    answers = COMPLETION_ANSWERS
 
     def prompt_chars(self, body: dict[str, Any]) -> int:
         return _prompt_chars(body.get("prompt"))

@@ -38,6 +38,7 @@ from dialects.base import (
     text_of,
 )
 from dialects.envelopes import RESPONSES
+from dialects.responses_answers import RESPONSES_ANSWERS, responses_usage
 from dialects.stream import SseScanner, TypedEventScanner
 
 # The events that end a stream, with the answer in their ``response``.
@@ -51,7 +52,7 @@ class Responses(Dialect):
     streams = True
     generates = True
     classifiable = True
-    cache_kind = "responses"
+    answers = RESPONSES_ANSWERS
     max_tokens_fields = ("max_output_tokens",)
     errors = RESPONSES
 
@@ -179,21 +180,6 @@ def echo_previous(previous: str) -> Callable[[bytes], bytes]:
         return _NO_PREVIOUS.sub(value, data) if b"previous_response_id" in data else data
 
     return rewrite
-
-
-def responses_usage(usage: Any) -> dict[str, int] | None:
-    """A Responses ``usage`` as ``prompt_tokens``/``completion_tokens``/``total_tokens``."""
-    if not isinstance(usage, dict):
-        return None
-    prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
-    if not isinstance(prompt, int) or not isinstance(completion, int):
-        return None
-    total = usage.get("total_tokens")
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": total if isinstance(total, int) else prompt + completion,
-    }
 
 
 def input_items(body: dict[str, Any]) -> list[Any]:

@@ -7,7 +7,8 @@ the stream reports. How an API marks those is its dialect's: ``SseScanner`` read
 data-only events (``[DONE]`` at the end, usage in a usage-only chunk, dropped again when the
 client did not ask for it: the gateway always asks upstream for usage, to settle limits on
 real counts); ``TypedEventScanner`` reads streams of typed events (OpenAI's Responses,
-Anthropic's Messages), by the rules a ``TypedEvents`` names.
+Anthropic's Messages), by the event types each API's subclass names (``TOKENS``, ``ENDS``,
+``READ``).
 
 Events are separated by a blank line. vLLM and OpenAI end lines with ``\\n``; SSE allows
 ``\\r\\n`` and ``\\r`` too (https://html.spec.whatwg.org/multipage/server-sent-events.html,

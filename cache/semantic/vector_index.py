@@ -5,15 +5,15 @@ puts in the scope string) never meet: each scope keeps its own arrays, so a sear
 time in proportion to that scope's entries only and cannot return another scope's entry.
 
 Search is exact below ``exact_below`` entries (one BLAS matrix-vector product). Above it,
-an exhaustive float32 pass would take most of a lookup's budget, so the index first ranks
-every entry by the Hamming distance between sign-bit sketches (48 bytes per 384-d vector: a
-32x smaller scan, numpy's ``bitwise_count``), then scores only the ``shortlist`` closest by
-exact cosine. The angle between two vectors is proportional to the expected share of
-differing sign bits (Charikar, "Similarity estimation techniques from rounding algorithms",
-STOC 2002), and cache hits need cosines of 0.8 and more, far from the ~0.1 typical of
-unrelated texts, so the true neighbours land in the shortlist. The shortlist is cut by a
-histogram of the distances (``nearest_rows``), not by a partial sort, which alone cost more
-than the Hamming pass. The measurements behind this: ``bench/results/vector-index-history.md``.
+the index first ranks every entry by the Hamming distance between sign-bit sketches (48
+bytes per 384-d vector, a 32nd of the float32 vector: numpy's ``bitwise_count``), then
+scores only the ``shortlist`` closest by exact cosine. The angle between two vectors is
+proportional to the expected share of differing sign bits (Charikar, "Similarity estimation
+techniques from rounding algorithms", STOC 2002), and cache hits need cosines of 0.8 and
+more, far from those of unrelated texts, so the true neighbours land in the shortlist. The
+shortlist is cut by a histogram of the distances (``nearest_rows``), a linear pass over
+small integers, instead of a partial sort. The figures that chose this design are kept in
+``bench/results/vector-index-history.md``.
 
 Deleting swaps the last row into the freed one, so rows stay dense and deletes cost O(1).
 Not thread-safe: call it from one thread (the event loop), or guard it with a lock.
@@ -52,9 +52,9 @@ def _popcount(words: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint8]:
 def _hamming(sketches: npt.NDArray[np.uint64], code: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint16]:
     """Differing bits between ``code`` and each column of ``sketches`` (words x rows).
 
-    Word-major storage makes each step a contiguous pass over all rows: ~3x faster than
-    summing along a short row axis (1.2 ms instead of 3.3 ms for 100,000 x 6 words). The
-    passes reuse one scratch array for the XOR instead of allocating one per word.
+    Word-major storage makes each step one contiguous pass over all rows, rather than a sum
+    along a short row axis. The passes reuse one scratch array for the XOR instead of
+    allocating one per word.
     """
     rows = sketches.shape[1]
     distance = np.zeros(rows, dtype=np.uint16)
@@ -69,10 +69,9 @@ def nearest_rows(distance: npt.NDArray[np.uint16], count: int, max_distance: int
     """The ``count`` rows of smallest ``distance`` (any order; ties at the cut by row order).
 
     What ``np.argpartition(distance, count)[:count]`` returns, in a different order and tie
-    choice, at a fraction of its cost: distances are small integers (at most
-    ``max_distance``), so one histogram finds the cut distance, and two passes collect the
-    rows below it and as many at it as fit. At 100,000 rows argpartition took ~1.7 ms of
-    CPU, this ~0.3 ms.
+    choice, without sorting: distances are small integers (at most ``max_distance``), so
+    one histogram finds the cut distance, and two passes collect the rows below it and as
+    many at it as fit.
     """
     if count >= len(distance):
         return np.arange(len(distance))

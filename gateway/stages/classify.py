@@ -150,7 +150,7 @@ class Classify:
         embedding, fallback, text = None, "", None
         if self.router.head is not None:  # routing.classifier.embedding is not "never"
             cache_control = request.headers.get("Cache-Control")
-            shared = self.cache.semantic_text(ex.dialect.path, call.body, tenant.cache, cache_control)
+            shared = self.cache.semantic_text(ex.dialect, call.body, tenant.cache, cache_control)
             text = self.router.text_to_embed(prompt, shared, forced, allowed)
         if text is not None:
             embedding, fallback = await self._embedding(text)

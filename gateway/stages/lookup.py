@@ -11,11 +11,9 @@ import orjson
 from aiohttp import web
 
 from cache.coalesce import Leader, Wake
-from cache.collect import StreamCollector
-from cache.entry import CachedCompletion, Kind, from_json_response
 from cache.keys import CachePlan
-from cache.replay import new_completion_id, replay_object, replay_sse
 from cache.service import CacheHit, ResponseCache
+from dialects.answer import Answers, CachedCompletion, StreamCollector
 from gateway.client_stream import end_with_error, prepare, with_keepalive
 from gateway.exchange import CACHE_HEADER, Exchange, Tap
 from gateway.settings import TenantSettings, UpstreamSettings
@@ -47,7 +45,7 @@ class LookUpCache:
         assert tenant is not None and model is not None
         cache = self.cache
         cache_control = request.headers.get("Cache-Control")
-        plan = cache.plan(tenant.id, model, ex.dialect.path, call.body, tenant.cache, cache_control)
+        plan = cache.plan(tenant.id, model, ex.dialect, call.body, tenant.cache, cache_control)
         hit: CacheHit | None = None
         leader: Leader | None = None
         if plan.key is not None:
@@ -68,9 +66,10 @@ class LookUpCache:
             response = await self._replay(ex, request, hit)
             ex.charged = ResponseCache.tokens_to_charge(hit.completion, tenant.cache)
             return response
-        kind = call.dialect.cache_kind
-        if plan.key is not None and kind is not None:
-            collect = _Collect(cache.collector(kind, tenant.cache), kind)
+        answers = call.dialect.answers
+        if plan.key is not None and answers is not None:
+            # Characters never outnumber UTF-8 bytes: a bound on them is a safe, cheap bound on the entry.
+            collect = _Collect(answers.collector(tenant.cache.max_entry_bytes), answers)
             ex.taps.append(collect)
             ex.release(_Outcome(cache, ex, plan, tenant, collect, leader))
         elif leader is not None:
@@ -86,11 +85,13 @@ class LookUpCache:
         """
         ex.headers[CACHE_HEADER] = hit.kind
         cached, call = hit.completion, ex.call
+        answers = call.dialect.answers
+        assert answers is not None  # a hit has a key: the dialect's answers are cached
         ex.usage = cached.usage
         ex.status = 200
         ex.first_token_at = self.clock()
-        completion_id, created = new_completion_id(cached.kind), int(time.time())
-        answer = replay_object(cached, completion_id=completion_id, created=created, request=call.body)
+        completion_id, created = answers.new_id(), int(time.time())
+        answer = answers.replay_object(cached, completion_id=completion_id, created=created, request=call.body)
         for tap in ex.taps:
             refused = await tap.ending(answer)
             if refused is not None:
@@ -100,7 +101,7 @@ class LookUpCache:
                 return ex.response
         if not call.stream:
             return web.Response(body=orjson.dumps(answer), content_type="application/json", headers=ex.headers)
-        events = replay_sse(
+        events = answers.replay_sse(
             cached,
             completion_id=completion_id,
             created=created,
@@ -116,11 +117,11 @@ class LookUpCache:
 class _Collect(Tap):
     """The answer as the cache keeps it, collected on its way to the client."""
 
-    __slots__ = ("_body", "_collector", "_kind")
+    __slots__ = ("_answers", "_body", "_collector")
 
-    def __init__(self, collector: StreamCollector, kind: Kind) -> None:
+    def __init__(self, collector: StreamCollector, answers: Answers) -> None:
         self._collector = collector
-        self._kind = kind
+        self._answers = answers
         self._body: bytes | None = None
 
     def events(self, out: bytes) -> bytes:
@@ -140,7 +141,7 @@ class _Collect(Tap):
         if route.degraded is not None or replica.model != route.model:
             return None
         if self._body is not None:
-            return from_json_response(self._kind, self._body)
+            return self._answers.from_json(self._body)
         return self._collector.result(ex.usage, ex.answer)
 
 

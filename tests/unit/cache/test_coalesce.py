@@ -6,9 +6,9 @@ import asyncio
 
 from cache.coalesce import Coalescer, Follower, Leader, Wake
 from cache.config import CacheServiceSettings
-from cache.entry import CachedCompletion
 from cache.memory_store import MemoryStore
 from cache.service import ResponseCache
+from dialects.answer import CachedCompletion
 
 ANSWER = CachedCompletion("chat", "m", "shared", "stop", 3, 2)
 KEY = "t1:" + "ab" * 32

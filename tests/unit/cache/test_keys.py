@@ -18,9 +18,11 @@ from cache.keys import (
     plan_request,
     split_key,
 )
+from dialects.anthropic import COUNT_TOKENS, MESSAGES
+from dialects.base import Dialect
+from dialects.openai import CHAT, COMPLETIONS, EMBEDDINGS
+from dialects.responses import RESPONSES_API as RESPONSES
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
 DEFAULTS = CacheSettings()
 
 
@@ -28,7 +30,7 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, **fields}
 
 
-def key(body: dict[str, Any], scope: str = "t1", model: str = "m", endpoint: str = CHAT) -> str:
+def key(body: dict[str, Any], scope: str = "t1", model: str = "m", endpoint: Dialect = CHAT) -> str:
     return exact_key(scope, model, endpoint, body)
 
 
@@ -131,7 +133,7 @@ def test_completions_cacheability() -> None:
     assert cacheability(COMPLETIONS, {**base, "prompt": ["x"]}, DEFAULTS) is Cacheability.CACHEABLE
     assert cacheability(COMPLETIONS, {**base, "prompt": ["x", "y"]}, DEFAULTS) is Cacheability.BATCH_PROMPT
     assert cacheability(COMPLETIONS, {**base, "prompt": "x", "logprobs": 0}, DEFAULTS) is Cacheability.LOGPROBS
-    assert cacheability("/v1/embeddings", {"model": "m", "input": "x"}, DEFAULTS) is Cacheability.ENDPOINT
+    assert cacheability(EMBEDDINGS, {"model": "m", "input": "x"}, DEFAULTS) is Cacheability.ENDPOINT
 
 
 def test_tenant_switches() -> None:
@@ -177,9 +179,6 @@ def test_plan_request() -> None:
 
 # -- Responses and Messages --------------------------------------------------------------------
 
-RESPONSES = "/v1/responses"
-MESSAGES = "/v1/messages"
-
 
 def responses(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "input": [{"role": "user", "content": "hi"}], "temperature": 0, **fields}
@@ -203,10 +202,10 @@ def messages(**fields: Any) -> dict[str, Any]:
         (MESSAGES, messages(temperature=None, top_k=1), Cacheability.CACHEABLE),
         (MESSAGES, messages(temperature=None), Cacheability.NONDETERMINISTIC),
         (MESSAGES, messages(temperature=0.5, seed=3), Cacheability.NONDETERMINISTIC),  # Anthropic's API has no seed
-        ("/v1/messages/count_tokens", messages(), Cacheability.ENDPOINT),
+        (COUNT_TOKENS, messages(), Cacheability.ENDPOINT),
     ],
 )
-def test_responses_and_messages_cacheability(endpoint: str, body: dict[str, Any], expected: Cacheability) -> None:
+def test_responses_and_messages_cacheability(endpoint: Dialect, body: dict[str, Any], expected: Cacheability) -> None:
     assert cacheability(endpoint, body, DEFAULTS) is expected
 
 

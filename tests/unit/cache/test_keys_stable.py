@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from cache.keys import exact_key, semantic_query
+from dialects.registry import BY_PATH
 
 CASES: list[tuple[str, dict[str, Any], str, str | None, str | None]] = [
     (
@@ -73,6 +74,7 @@ CASES: list[tuple[str, dict[str, Any], str, str | None, str | None]] = [
 def test_keys_are_byte_identical_to_the_pre_dialect_ones(
     endpoint: str, body: dict[str, Any], key: str, scope: str | None, text: str | None
 ) -> None:
-    assert exact_key("tenant-a", body["model"], endpoint, body) == key
-    query = semantic_query("tenant-a", body["model"], endpoint, body)
+    dialect = BY_PATH[endpoint]
+    assert exact_key("tenant-a", body["model"], dialect, body) == key
+    query = semantic_query("tenant-a", body["model"], dialect, body)
     assert (query.scope if query else None, query.text if query else None) == (scope, text)

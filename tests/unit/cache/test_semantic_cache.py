@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from cache.config import CacheServiceSettings, CacheSettings, SemanticCacheSettings, SemanticServiceSettings
-from cache.entry import CachedCompletion
 from cache.keys import split_key
 from cache.memory_store import MemoryStore
 from cache.metrics import CacheMetrics
@@ -22,8 +21,9 @@ from cache.semantic.cache import SemanticCache, State
 from cache.semantic.embedder import Embeddings, HashingEmbedder
 from cache.semantic.store import MemorySemanticStore
 from cache.service import ResponseCache, create_response_cache
+from dialects.answer import CachedCompletion
+from dialects.openai import CHAT, EMBEDDINGS
 
-CHAT = "/v1/chat/completions"
 ANSWER = CachedCompletion("chat", "m", "Paris.", "stop", 12, 2)
 ON = CacheSettings(semantic=SemanticCacheSettings(enabled=True))
 
@@ -322,5 +322,5 @@ async def test_semantic_text_is_what_plan_would_embed() -> None:
         assert cache.semantic_text(CHAT, body(question), ON, "no-cache, no-store") is None
         assert cache.semantic_text(CHAT, body(question), ON, "no-store") == question  # still looked up
         assert cache.semantic_text(CHAT, body(question + " And Peru's?"), ON, None) is None  # > 40 characters
-        assert cache.semantic_text("/v1/embeddings", {"input": question}, ON, None) is None
+        assert cache.semantic_text(EMBEDDINGS, {"input": question}, ON, None) is None
         assert sample(cache, "fleetgate_cache_bypass_total", reason="semantic_long_text") == 0  # uncounted

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from cache.keys import semantic_query
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+from dialects.base import Dialect
+from dialects.openai import CHAT, COMPLETIONS, EMBEDDINGS
 
 
 def chat(question: str = "What is the capital of France?", **fields: Any) -> dict[str, Any]:
@@ -15,7 +14,7 @@ def chat(question: str = "What is the capital of France?", **fields: Any) -> dic
     return {"model": "m", "messages": messages, "temperature": 0, **fields}
 
 
-def scope(body: dict[str, Any], tenant: str = "t1", model: str = "m", endpoint: str = CHAT) -> str:
+def scope(body: dict[str, Any], tenant: str = "t1", model: str = "m", endpoint: Dialect = CHAT) -> str:
     query = semantic_query(tenant, model, endpoint, body)
     assert query is not None
     return query.scope
@@ -77,4 +76,4 @@ def test_no_text_to_compare() -> None:
     assert semantic_query("t1", "m", CHAT, chat("   ")) is None
     assert semantic_query("t1", "m", CHAT, {"messages": []}) is None
     assert semantic_query("t1", "m", COMPLETIONS, {"prompt": [1, 2, 3]}) is None
-    assert semantic_query("t1", "m", "/v1/embeddings", {"input": "x"}) is None
+    assert semantic_query("t1", "m", EMBEDDINGS, {"input": "x"}) is None

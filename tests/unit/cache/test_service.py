@@ -8,16 +8,16 @@ import time
 import pytest
 
 from cache.config import CacheServiceSettings, CacheSettings
-from cache.entry import CachedCompletion
 from cache.keys import exact_key
 from cache.memory_store import MemoryStore
 from cache.metrics import CacheMetrics
 from cache.service import ResponseCache, create_cache_store
 from cache.store import CacheUnavailable
+from dialects.answer import CachedCompletion
+from dialects.openai import CHAT
 
 ANSWER = CachedCompletion("chat", "m", "hello", "stop", 3, 2)
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
-CHAT = "/v1/chat/completions"
 TENANT = CacheSettings()
 
 

@@ -19,7 +19,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
-from cache.entry import CachedCompletion
+from dialects.answer import CachedCompletion
 from dialects.openai import CHAT
 from dialects.responses import RESPONSES_API
 from gateway.app import Gateway
@@ -149,7 +149,7 @@ async def test_a_cached_answer_is_replayed_by_the_cache_stage(tmp_path: Path) ->
     gw, log = gateway(tmp_path)
     body = chat(temperature=0)
     tenant = gw.tenants["t"]
-    plan = gw.cache.plan("t", MODEL, CHAT.path, body, tenant.cache, None)
+    plan = gw.cache.plan("t", MODEL, CHAT, body, tenant.cache, None)
     assert plan.key is not None
     assert await gw.cache.store(plan.key, CachedCompletion("chat", MODEL, "hello", "stop", 3, 2), tenant.cache)
     response = await gw.handle(request(body), CHAT)

@@ -19,15 +19,17 @@ from aiohttp import web
 from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 
-from cache.collect import stream_collector
-from cache.entry import CachedCompletion, from_json_response
-from cache.replay import new_completion_id, replay_events, replay_json, replay_object, replay_sse
+from dialects.answer import Answers, CachedCompletion
 from dialects.anthropic import MessagesScanner
+from dialects.anthropic_answers import MESSAGES_ANSWERS
 from dialects.responses import ResponsesScanner
+from dialects.responses_answers import RESPONSES_ANSWERS
 from dialects.stream import TypedEventScanner
 from replicas.launcher import free_port
 from sim.engine import FixedRateConfig, FixedRateEngine
 from sim.server import create_app as create_sim_app
+
+ANSWERS: dict[str, Answers] = {"responses": RESPONSES_ANSWERS, "messages": MESSAGES_ANSWERS}
 
 MODEL = "sim-model"
 TEXT = "The quick brown fox jumps."
@@ -58,7 +60,7 @@ def typed_events(data: bytes) -> list[tuple[str, dict[str, Any]]]:
 
 def collect(kind: str, data: bytes, chunk: int = 11) -> CachedCompletion | None:
     scanner: TypedEventScanner = ResponsesScanner() if kind == "responses" else MessagesScanner()
-    collector = stream_collector(kind, max_chars=100_000)  # type: ignore[arg-type]
+    collector = ANSWERS[kind].collector(100_000)
     for i in range(0, len(data), chunk):
         out, _ = scanner.feed(data[i : i + chunk])
         collector.feed(out)
@@ -70,7 +72,7 @@ def collect(kind: str, data: bytes, chunk: int = 11) -> CachedCompletion | None:
 
 
 def test_response_json_is_an_sdk_response() -> None:
-    body = replay_json(RESPONSE_ENTRY, completion_id="resp_x", created=7, request=REQUEST)
+    body = RESPONSES_ANSWERS.replay_json(RESPONSE_ENTRY, completion_id="resp_x", created=7, request=REQUEST)
     reply = Response.model_validate_json(body)  # strict: every required field, every type
     assert (reply.id, reply.created_at, reply.status, reply.model) == ("resp_x", 7, "completed", MODEL)
     assert reply.output_text == TEXT and reply.instructions == "Be brief." and reply.temperature == 0.0
@@ -87,14 +89,14 @@ def test_response_json_is_an_sdk_response() -> None:
         reply.usage.output_tokens,
         reply.usage.total_tokens,
     ) == (12, 9, 21)
-    assert from_json_response("responses", body) == RESPONSE_ENTRY  # replay and entry are inverses
+    assert RESPONSES_ANSWERS.from_json(body) == RESPONSE_ENTRY  # replay and entry are inverses
 
 
 def test_response_echoes_the_request_not_the_cache() -> None:
     # metadata, user and previous_response_id are not in the key: the request answered is the one echoed.
     sent = {**REQUEST, "metadata": {"a": "1"}, "previous_response_id": "resp_prev"}
-    mine = replay_object(RESPONSE_ENTRY, completion_id="resp_x", created=7, request=sent)
-    bare = replay_object(RESPONSE_ENTRY, completion_id="resp_x", created=7, request={"input": "x"})
+    mine = RESPONSES_ANSWERS.replay_object(RESPONSE_ENTRY, completion_id="resp_x", created=7, request=sent)
+    bare = RESPONSES_ANSWERS.replay_object(RESPONSE_ENTRY, completion_id="resp_x", created=7, request={"input": "x"})
     assert (mine["metadata"], mine["previous_response_id"]) == ({"a": "1"}, "resp_prev")
     assert (bare["metadata"], bare["previous_response_id"]) == (None, None)
     assert (bare["temperature"], bare["tool_choice"], bare["tools"], bare["max_output_tokens"]) == (
@@ -104,13 +106,15 @@ def test_response_echoes_the_request_not_the_cache() -> None:
         None,
     )
     incomplete = CachedCompletion("responses", MODEL, "", "incomplete", 1, 1, output=({"type": "message", "text": ""},))
-    body = Response.model_validate(replay_object(incomplete, completion_id="resp_y", created=7))
+    body = Response.model_validate(RESPONSES_ANSWERS.replay_object(incomplete, completion_id="resp_y", created=7))
     assert body.incomplete_details is not None and body.incomplete_details.reason == "max_output_tokens"
     assert body.output[0].type == "message" and body.output[0].content == []
 
 
 def test_response_events_are_sdk_events_in_vllms_order() -> None:
-    data = replay_sse(RESPONSE_ENTRY, completion_id="resp_x", created=7, include_usage=False, request=REQUEST)
+    data = RESPONSES_ANSWERS.replay_sse(
+        RESPONSE_ENTRY, completion_id="resp_x", created=7, include_usage=False, request=REQUEST
+    )
     events = typed_events(data)
     parsed = [ResponseEvents.validate_python(payload) for _, payload in events]
     assert [name for name, _ in events] == [e.type for e in parsed]
@@ -134,31 +138,31 @@ def test_response_events_are_sdk_events_in_vllms_order() -> None:
     assert parsed[0].response.status == "in_progress" and parsed[0].response.output == []
     final = parsed[-1].response
     assert final == Response.model_validate_json(
-        replay_json(RESPONSE_ENTRY, completion_id="resp_x", created=7, request=REQUEST)
+        RESPONSES_ANSWERS.replay_json(RESPONSE_ENTRY, completion_id="resp_x", created=7, request=REQUEST)
     )
     assert "".join(e.delta for e in parsed if e.type == "response.output_text.delta") == TEXT
     assert collect("responses", data) == RESPONSE_ENTRY
-    assert replay_events(RESPONSE_ENTRY, completion_id="resp_x", created=7, include_usage=True, request=REQUEST) == [
-        b + b"\n\n" for b in data.split(b"\n\n")[:-1]
-    ]
+    assert RESPONSES_ANSWERS.replay_events(
+        RESPONSE_ENTRY, completion_id="resp_x", created=7, include_usage=True, request=REQUEST
+    ) == [b + b"\n\n" for b in data.split(b"\n\n")[:-1]]
 
 
 # -- Messages ----------------------------------------------------------------------------------
 
 
 def test_message_json_is_an_sdk_message() -> None:
-    body = replay_json(MESSAGE_ENTRY, completion_id="msg_x", created=7)
+    body = MESSAGES_ANSWERS.replay_json(MESSAGE_ENTRY, completion_id="msg_x", created=7)
     reply = Message.model_validate_json(body)
     assert (reply.id, reply.role, reply.stop_reason, reply.stop_sequence) == ("msg_x", "assistant", "tool_use", None)
     text, tool = reply.content
     assert text.type == "text" and text.text == TEXT
     assert tool.type == "tool_use" and (tool.id, tool.name, tool.input) == ("toolu_1", "weather", TOOL_USE["input"])
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (12, 9)
-    assert from_json_response("messages", body) == MESSAGE_ENTRY
+    assert MESSAGES_ANSWERS.from_json(body) == MESSAGE_ENTRY
 
 
 def test_message_events_are_sdk_events() -> None:
-    data = replay_sse(MESSAGE_ENTRY, completion_id="msg_x", created=7, include_usage=False)
+    data = MESSAGES_ANSWERS.replay_sse(MESSAGE_ENTRY, completion_id="msg_x", created=7, include_usage=False)
     events = typed_events(data)
     parsed = [MessageEvents.validate_python(payload) for _, payload in events]
     assert [name for name, _ in events] == [e.type for e in parsed]
@@ -179,12 +183,15 @@ def test_message_events_are_sdk_events() -> None:
     stopped = CachedCompletion(
         "messages", MODEL, "", "stop_sequence", 1, 1, output=({"type": "text", "text": "a"},), stop_sequence="END"
     )
-    assert collect("messages", replay_sse(stopped, completion_id="msg_y", created=7, include_usage=False)) == stopped
+    assert (
+        collect("messages", MESSAGES_ANSWERS.replay_sse(stopped, completion_id="msg_y", created=7, include_usage=False))
+        == stopped
+    )
 
 
 def test_new_ids_look_like_the_apis() -> None:
-    assert new_completion_id("responses", bytes(16)) == "resp_" + "00" * 16
-    assert new_completion_id("messages").startswith("msg_") and len(new_completion_id("messages")) == 4 + 32
+    assert RESPONSES_ANSWERS.new_id(bytes(16)) == "resp_" + "00" * 16
+    assert MESSAGES_ANSWERS.new_id().startswith("msg_") and len(MESSAGES_ANSWERS.new_id()) == 4 + 32
 
 
 # -- the SDKs read a replay exactly like a live answer -----------------------------------------
@@ -208,11 +215,13 @@ def replay_app(entries: dict[str, CachedCompletion]) -> web.Application:
     async def answer(request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
         kind = "responses" if request.path == "/v1/responses" else "messages"
-        entry, rid = entries[kind], new_completion_id(kind)
+        entry, rid = entries[kind], ANSWERS[kind].new_id()
         if body.get("stream"):
-            sse = replay_sse(entry, completion_id=rid, created=1_700_000_000, include_usage=True, request=body)
+            sse = ANSWERS[kind].replay_sse(
+                entry, completion_id=rid, created=1_700_000_000, include_usage=True, request=body
+            )
             return web.Response(body=sse, content_type="text/event-stream")
-        whole = replay_json(entry, completion_id=rid, created=1_700_000_000, request=body)
+        whole = ANSWERS[kind].replay_json(entry, completion_id=rid, created=1_700_000_000, request=body)
         return web.Response(body=whole, content_type="application/json")
 
     app = web.Application()
@@ -224,7 +233,7 @@ def replay_app(entries: dict[str, CachedCompletion]) -> web.Application:
 async def collect_live(base: str, path: str, kind: str, body: dict[str, Any]) -> CachedCompletion:
     """What the gateway's proxy would collect from the simulator's live stream."""
     scanner: TypedEventScanner = ResponsesScanner() if kind == "responses" else MessagesScanner()
-    collector = stream_collector(kind, max_chars=100_000)  # type: ignore[arg-type]
+    collector = ANSWERS[kind].collector(100_000)
     async with aiohttp.ClientSession() as session, session.post(base + path, json={**body, "stream": True}) as resp:
         async for chunk in resp.content.iter_any():
             out, _ = scanner.feed(chunk)

@@ -7,8 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from cache.collect import stream_collector
-from cache.entry import CachedCompletion, EntryCorrupt, from_json_response
+from dialects.answer import CachedCompletion, EntryCorrupt
+from dialects.openai_answers import CHAT_ANSWERS, COMPLETION_ANSWERS
 from dialects.stream import SseScanner
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
@@ -38,7 +38,7 @@ def collect(
 ) -> CachedCompletion | None:
     """Feed ``data`` in small chunks through the gateway's scanner, as the proxy does."""
     scanner = SseScanner(drop_usage=drop_usage)
-    collector = stream_collector("chat", max_chars=max_chars)
+    collector = CHAT_ANSWERS.collector(max_chars)
     for i in range(0, len(data), chunk):
         out, _ = scanner.feed(data[i : i + chunk])
         collector.feed(out)
@@ -62,7 +62,7 @@ def test_chat_json_response() -> None:
         ],
         "usage": USAGE,
     }
-    entry = from_json_response("chat", orjson.dumps(body))
+    entry = CHAT_ANSWERS.from_json(orjson.dumps(body))
     assert entry == CachedCompletion("chat", "m", "Hello there", "length", 5, 3)
     assert entry.usage == USAGE and entry.total_tokens == 8
 
@@ -73,7 +73,7 @@ def test_completion_json_response() -> None:
         "choices": [{"index": 0, "text": " world", "finish_reason": "stop"}],
         "usage": USAGE,
     }
-    assert from_json_response("completion", orjson.dumps(body)) == CachedCompletion(
+    assert COMPLETION_ANSWERS.from_json(orjson.dumps(body)) == CachedCompletion(
         "completion", "m", " world", "stop", 5, 3
     )
 
@@ -95,8 +95,8 @@ def test_json_responses_not_worth_keeping(change: dict[str, Any]) -> None:
         "choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "stop"}],
         "usage": USAGE,
     }
-    assert from_json_response("chat", orjson.dumps({**body, **change})) is None
-    assert from_json_response("chat", b"not json") is None
+    assert CHAT_ANSWERS.from_json(orjson.dumps({**body, **change})) is None
+    assert CHAT_ANSWERS.from_json(b"not json") is None
 
 
 def test_stream_collected_whatever_the_chunking() -> None:
@@ -122,7 +122,7 @@ def test_streams_not_worth_keeping() -> None:
 
 
 def test_keepalive_comments_are_ignored() -> None:
-    collector = stream_collector("chat", max_chars=100)
+    collector = CHAT_ANSWERS.collector(100)
     collector.feed(b": keep-alive\n\n")
     collector.feed(chat_stream(["ok"]))
     assert collector.result() == CachedCompletion("chat", "m", "ok", "stop", 5, 3)
@@ -151,7 +151,7 @@ def test_completion_stream() -> None:
         event({**head, "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": f, "stop_reason": None}]})
         for t, f in (("one", None), (" two", "length"))
     )
-    collector = stream_collector("completion", max_chars=100)
+    collector = COMPLETION_ANSWERS.collector(100)
     collector.feed(data + b"data: [DONE]\n\n")
     assert collector.result(USAGE) == CachedCompletion("completion", "m", "one two", "length", 5, 3)
 
@@ -183,6 +183,6 @@ def test_corrupt_bytes(raw: bytes) -> None:
 def test_malformed_deltas_give_up_quietly(delta: dict[str, Any]) -> None:
     data = chat_chunk({"role": "assistant", "content": ""}) + chat_chunk(delta, "stop") + b"data: [DONE]\n\n"
     assert collect(data) is None
-    collector = stream_collector("chat", max_chars=100)
+    collector = CHAT_ANSWERS.collector(100)
     collector.feed(event({**HEAD, "choices": [{"index": 0, "delta": "oops"}]}))
     assert collector.failed

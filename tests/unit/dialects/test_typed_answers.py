@@ -12,11 +12,14 @@ from typing import Any
 import orjson
 import pytest
 
-from cache.collect import stream_collector
-from cache.entry import FORMAT_VERSION, CachedCompletion, EntryCorrupt, from_json_response
+from dialects.answer import FORMAT_VERSION, Answers, CachedCompletion, EntryCorrupt
 from dialects.anthropic import MessagesScanner
+from dialects.anthropic_answers import MESSAGES_ANSWERS
 from dialects.responses import ResponsesScanner
+from dialects.responses_answers import RESPONSES_ANSWERS
 from dialects.stream import TypedEventScanner
+
+ANSWERS: dict[str, Answers] = {"responses": RESPONSES_ANSWERS, "messages": MESSAGES_ANSWERS}
 
 RESPONSES_USAGE = {
     "input_tokens": 8,
@@ -67,7 +70,7 @@ def response(output: list[dict[str, Any]], status: str = "completed", **change: 
 def collect(kind: str, data: bytes, *, chunk: int = 7, max_chars: int = 10_000) -> CachedCompletion | None:
     """``data`` through the dialect's scanner and the kind's collector, as the proxy does."""
     scanner: TypedEventScanner = ResponsesScanner() if kind == "responses" else MessagesScanner()
-    collector = stream_collector(kind, max_chars=max_chars)  # type: ignore[arg-type]
+    collector = ANSWERS[kind].collector(max_chars)
     for i in range(0, len(data), chunk):
         out, _ = scanner.feed(data[i : i + chunk])
         collector.feed(out)
@@ -81,7 +84,7 @@ def collect(kind: str, data: bytes, *, chunk: int = 7, max_chars: int = 10_000) 
 
 def test_responses_json_keeps_items_status_usage_and_model() -> None:
     body = response([message_item("Hello there"), CALL])
-    entry = from_json_response("responses", orjson.dumps(body))
+    entry = RESPONSES_ANSWERS.from_json(orjson.dumps(body))
     assert entry == CachedCompletion(
         "responses",
         "m",
@@ -98,9 +101,9 @@ def test_responses_json_keeps_items_status_usage_and_model() -> None:
 
 
 def test_responses_cut_by_max_output_tokens_is_kept_like_chats_length() -> None:
-    entry = from_json_response("responses", orjson.dumps(response([message_item("Hel")], "incomplete")))
+    entry = RESPONSES_ANSWERS.from_json(orjson.dumps(response([message_item("Hel")], "incomplete")))
     assert entry is not None and entry.finish_reason == "incomplete"
-    assert from_json_response("responses", orjson.dumps(response([message_item("")]))) is not None  # empty text
+    assert RESPONSES_ANSWERS.from_json(orjson.dumps(response([message_item("")]))) is not None  # empty text
 
 
 @pytest.mark.parametrize(
@@ -120,7 +123,7 @@ def test_responses_cut_by_max_output_tokens_is_kept_like_chats_length() -> None:
     ],
 )
 def test_responses_not_worth_keeping(body: dict[str, Any]) -> None:
-    assert from_json_response("responses", orjson.dumps(body)) is None
+    assert RESPONSES_ANSWERS.from_json(orjson.dumps(body)) is None
 
 
 def responses_stream(final: dict[str, Any], deltas: list[str]) -> bytes:
@@ -141,7 +144,7 @@ def responses_stream(final: dict[str, Any], deltas: list[str]) -> bytes:
 def test_responses_stream_is_read_from_its_final_response() -> None:
     final = response([message_item("Hello world"), CALL])
     data = responses_stream(final, ["Hel", "lo ", "world"])
-    expected = from_json_response("responses", orjson.dumps(final))
+    expected = RESPONSES_ANSWERS.from_json(orjson.dumps(final))
     assert expected is not None
     for size in (1, 7, 64, len(data)):
         assert collect("responses", data, chunk=size) == expected
@@ -209,21 +212,21 @@ def tool_block(*pieces: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def test_messages_json_keeps_blocks_stop_reason_and_usage() -> None:
     body = message([{"type": "text", "text": "Let me look."}, TOOL_USE], "tool_use")
-    entry = from_json_response("messages", orjson.dumps(body))
+    entry = MESSAGES_ANSWERS.from_json(orjson.dumps(body))
     assert entry == CachedCompletion(
         "messages", "m", "", "tool_use", 6, 4, output=({"type": "text", "text": "Let me look."}, TOOL_USE)
     )
     cached_prompt = message([], usage={"input_tokens": 2, "cache_read_input_tokens": 4, "output_tokens": 4})
-    entry = from_json_response("messages", orjson.dumps(cached_prompt))
+    entry = MESSAGES_ANSWERS.from_json(orjson.dumps(cached_prompt))
     assert entry is not None and (entry.prompt_tokens, entry.completion_tokens) == (2 + 4, 4)
-    stopped = from_json_response("messages", orjson.dumps(message([], "stop_sequence", stop_sequence="END")))
+    stopped = MESSAGES_ANSWERS.from_json(orjson.dumps(message([], "stop_sequence", stop_sequence="END")))
     assert stopped is not None and stopped.stop_sequence == "END"
 
 
 def test_messages_stream_assembled_equals_the_json_answers_entry() -> None:
     data = messages_stream([text_block("Let ", "me ", "look."), tool_block('{"ci', 'ty": "Os', 'lo"}')], "tool_use")
-    expected = from_json_response(
-        "messages", orjson.dumps(message([{"type": "text", "text": "Let me look."}, TOOL_USE], "tool_use"))
+    expected = MESSAGES_ANSWERS.from_json(
+        orjson.dumps(message([{"type": "text", "text": "Let me look."}, TOOL_USE], "tool_use"))
     )
     assert expected is not None
     for size in (1, 7, 64, len(data)):
@@ -247,7 +250,7 @@ def test_messages_stream_assembled_equals_the_json_answers_entry() -> None:
     ],
 )
 def test_messages_not_worth_keeping(body: dict[str, Any]) -> None:
-    assert from_json_response("messages", orjson.dumps(body)) is None
+    assert MESSAGES_ANSWERS.from_json(orjson.dumps(body)) is None
 
 
 def test_messages_streams_not_worth_keeping() -> None:

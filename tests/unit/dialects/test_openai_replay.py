@@ -17,13 +17,14 @@ import orjson
 import pytest
 from aiohttp import web
 
-from cache.collect import stream_collector
-from cache.entry import CachedCompletion
-from cache.replay import DONE, MAX_CHUNKS, new_completion_id, replay_events, replay_json, replay_sse, split_text
+from dialects.answer import MAX_CHUNKS, Answers, CachedCompletion, split_text
+from dialects.openai_answers import CHAT_ANSWERS, COMPLETION_ANSWERS, DONE
 from dialects.stream import SseScanner
 from replicas.launcher import free_port
 from sim.engine import FixedRateConfig, FixedRateEngine
 from sim.server import create_app as create_sim_app
+
+ANSWERS: dict[str, Answers] = {"chat": CHAT_ANSWERS, "completion": COMPLETION_ANSWERS}
 
 MODEL = "sim-model"
 CHAT_ENTRY = CachedCompletion("chat", MODEL, "The quick brown fox jumps.", "stop", 12, 6)
@@ -52,7 +53,7 @@ def test_split_text_keeps_every_character(text: str) -> None:
 
 
 def test_chat_json_shape() -> None:
-    body = orjson.loads(replay_json(CHAT_ENTRY, completion_id="chatcmpl-x", created=7))
+    body = orjson.loads(CHAT_ANSWERS.replay_json(CHAT_ENTRY, completion_id="chatcmpl-x", created=7))
     assert body == {
         "id": "chatcmpl-x",
         "object": "chat.completion",
@@ -72,7 +73,7 @@ def test_chat_json_shape() -> None:
 
 
 def test_chat_stream_events() -> None:
-    events = parse_sse(replay_sse(CHAT_ENTRY, completion_id="chatcmpl-x", created=7, include_usage=True))
+    events = parse_sse(CHAT_ANSWERS.replay_sse(CHAT_ENTRY, completion_id="chatcmpl-x", created=7, include_usage=True))
     assert events[-1] == "[DONE]"
     chunks = [e for e in events if isinstance(e, dict)]
     assert all(c["id"] == "chatcmpl-x" and c["object"] == "chat.completion.chunk" for c in chunks)
@@ -85,36 +86,42 @@ def test_chat_stream_events() -> None:
 
 
 def test_usage_only_when_asked() -> None:
-    events = replay_events(CHAT_ENTRY, completion_id="c", created=1, include_usage=False)
+    events = CHAT_ANSWERS.replay_events(CHAT_ENTRY, completion_id="c", created=1, include_usage=False)
     assert events[-1] == DONE and not any(b'"usage"' in e for e in events)
 
 
 def test_completion_stream_and_json() -> None:
-    events = parse_sse(replay_sse(COMPLETION_ENTRY, completion_id="cmpl-x", created=7, include_usage=False))
+    events = parse_sse(
+        COMPLETION_ANSWERS.replay_sse(COMPLETION_ENTRY, completion_id="cmpl-x", created=7, include_usage=False)
+    )
     chunks = [e for e in events if isinstance(e, dict)]
     assert "".join(c["choices"][0]["text"] for c in chunks) == COMPLETION_ENTRY.content
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[0]["object"] == "text_completion"
-    body = orjson.loads(replay_json(COMPLETION_ENTRY, completion_id="cmpl-x", created=7))
+    body = orjson.loads(COMPLETION_ANSWERS.replay_json(COMPLETION_ENTRY, completion_id="cmpl-x", created=7))
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == COMPLETION_ENTRY.content
 
 
 def test_tool_calls_and_empty_answers() -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "get", "arguments": '{"a": 1}'}}
     entry = CachedCompletion("chat", MODEL, "", "tool_calls", 3, 4, tool_calls=(call,))
-    message = orjson.loads(replay_json(entry, completion_id="c", created=1))["choices"][0]["message"]
+    message = orjson.loads(CHAT_ANSWERS.replay_json(entry, completion_id="c", created=1))["choices"][0]["message"]
     assert message["content"] is None and message["tool_calls"] == [call]
-    data = replay_sse(entry, completion_id="c", created=1, include_usage=False)
-    collector = stream_collector("chat", max_chars=1000)
+    data = CHAT_ANSWERS.replay_sse(entry, completion_id="c", created=1, include_usage=False)
+    collector = CHAT_ANSWERS.collector(1000)
     collector.feed(data)
     assert collector.result(entry.usage) == entry  # replay and collection are inverses
     empty = CachedCompletion("chat", MODEL, "", "stop", 3, 0)
-    last = [e for e in parse_sse(replay_sse(empty, completion_id="c", created=1, include_usage=False)) if e != "[DONE]"]
+    last = [
+        e
+        for e in parse_sse(CHAT_ANSWERS.replay_sse(empty, completion_id="c", created=1, include_usage=False))
+        if e != "[DONE]"
+    ]
     assert isinstance(last[-1], dict) and last[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_completion_ids_look_like_vllm_ones() -> None:
-    assert new_completion_id("chat", bytes(16)) == "chatcmpl-" + "00" * 16
-    assert new_completion_id("completion").startswith("cmpl-") and len(new_completion_id("completion")) == 37
+    assert CHAT_ANSWERS.new_id(bytes(16)) == "chatcmpl-" + "00" * 16
+    assert COMPLETION_ANSWERS.new_id().startswith("cmpl-") and len(COMPLETION_ANSWERS.new_id()) == 37
 
 
 # -- the openai SDK reads a replay exactly like a live stream ---------------------------------
@@ -139,13 +146,13 @@ def replay_app(entries: dict[str, CachedCompletion]) -> web.Application:
         body = orjson.loads(await request.read())
         kind = "chat" if request.path.endswith("/chat/completions") else "completion"
         entry = entries[kind]
-        cid, created = new_completion_id(kind), 1_700_000_000
+        cid, created = ANSWERS[kind].new_id(), 1_700_000_000
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            sse = replay_sse(entry, completion_id=cid, created=created, include_usage=usage)
+            sse = ANSWERS[kind].replay_sse(entry, completion_id=cid, created=created, include_usage=usage)
             return web.Response(body=sse, content_type="text/event-stream")
         return web.Response(
-            body=replay_json(entry, completion_id=cid, created=created), content_type="application/json"
+            body=ANSWERS[kind].replay_json(entry, completion_id=cid, created=created), content_type="application/json"
         )
 
     app = web.Application()
@@ -157,7 +164,7 @@ def replay_app(entries: dict[str, CachedCompletion]) -> web.Application:
 async def collect_live(base: str, path: str, kind: str, body: dict[str, Any]) -> CachedCompletion:
     """What the gateway's proxy would collect from a live stream (usage dropped for the client)."""
     scanner = SseScanner(drop_usage=True)
-    collector = stream_collector("chat" if kind == "chat" else "completion", max_chars=100_000)
+    collector = (CHAT_ANSWERS if kind == "chat" else COMPLETION_ANSWERS).collector(100_000)
     upstream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     async with aiohttp.ClientSession() as session, session.post(base + path, json=upstream) as resp:
         async for chunk in resp.content.iter_any():
