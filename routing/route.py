@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, Literal, Protocol
+from enum import StrEnum
+from typing import Any, Protocol
 
 from dialects.base import PromptView
 from replicas.replica import Claim, Replica
@@ -35,12 +36,23 @@ from routing.tiers import TierChoice
 DEFAULT_COMPLETION_ESTIMATE = 256
 
 
-# Why a request gets no (further) attempt (``Route.next_attempt``).
-Stop = Literal["no_replica", "exhausted", "deadline", "retry_budget"]
-NO_REPLICA: Stop = "no_replica"
-EXHAUSTED: Stop = "exhausted"
-DEADLINE: Stop = "deadline"
-RETRY_BUDGET: Stop = "retry_budget"
+class Stop(StrEnum):
+    """Why a request gets no (further) attempt (``Route.next_attempt``).
+
+    A ``StrEnum``: the values are what the access log and the proxy's answers say, and a
+    member compares equal to its value.
+    """
+
+    NO_REPLICA = "no_replica"
+    EXHAUSTED = "exhausted"
+    DEADLINE = "deadline"
+    RETRY_BUDGET = "retry_budget"
+
+
+NO_REPLICA = Stop.NO_REPLICA
+EXHAUSTED = Stop.EXHAUSTED
+DEADLINE = Stop.DEADLINE
+RETRY_BUDGET = Stop.RETRY_BUDGET
 
 
 class RouteContext(Protocol):
