@@ -11,9 +11,9 @@ refuses what still waits.
 Nothing here awaits: the waiting (fair queue) is ``routing.admission``, the sending is
 ``gateway.proxy``.
 
-``PoolSpec``, ``Route``, ``TierChoice`` and the ``Stop`` values are imported from here by
-older code and by ``bench/route_cost.py --base`` run against earlier commits, so they stay
-importable from this module.
+The gateway imports ``PoolSpec``, ``Route``, ``TierChoice`` and the ``Stop`` values from
+here, and ``bench/route_cost.py --base`` imports ``PoolSpec`` and ``Router`` from here on
+earlier commits too, so they stay importable from this module (``__all__``).
 """
 
 from __future__ import annotations
