@@ -4,7 +4,7 @@ and where to load it when none serves it.
 A vLLM replica serves each adapter it has loaded under the adapter's own name
 (``replicas.lora``). A request for an adapter therefore goes to its base model's pool, but
 only to the replicas that list the adapter, chosen there by the pool's own policy
-(``routing.router.Pool.pick`` is given that narrower list). An adapter is known when the
+(``routing.pool.Pool.pick`` is given that narrower list). An adapter is known when the
 configuration names it (``models[].adapters``, with the path to load it from when it
 has one) or when some replica lists it; a name that is neither is an unknown model.
 

@@ -1,8 +1,7 @@
 """Complexity classifier: a score in [0, 1] from the static head (word-piece vectors,
 ``routing.static_head``), or from the embedding head when the request's sentence embedding
-is at hand. The n-gram model below (words, word pairs and symbols) was the head without an
-embedding before the static head; it stays as the benchmark's baseline and as an optional
-input of the embedding head.
+is at hand. The n-gram model below (words, word pairs and symbols) is the benchmark's
+baseline and an optional input of the embedding head.
 
 A request for model ``auto`` goes to the tier whose configured score range holds its
 score. The score says how likely the latest user message is a prompt on which a large
@@ -10,14 +9,15 @@ model answers clearly better than a small one (RouteLLM's framing, Ong et al. 20
 coding and maths asks from real users high, everyday questions and simple instructions
 low. What counts as hard and easy, and why, is in docs/routing.md ("Complexity classifier").
 
-Features (``features``): the latest user message, lower-cased, digits folded to ``0``,
-its head and tail only (``routing.static_head.window``) so cost does not
-grow with a pasted document: words (less ``FUNCTION_WORDS``, which carry a writer's style
-rather than the ask), pairs of adjacent remaining words, and runs of one to three symbols
-(code syntax and formulas: ``()``, ``=``, ``\\``). Length is not a feature: measured out of
-source, it made the model worse on short technical asks. Each present feature counts once,
-and the sum is divided by the square root of the number of known features present, so a
-long prompt does not add up evidence for being long. The weights, the bias and the
+Features (``features``): the latest user message, lower-cased, digits folded to ``0``, its
+head and tail only (``routing.static_head.window``) so cost does not grow with a pasted
+document: words (less ``FUNCTION_WORDS``, which carry a writer's style rather than the ask),
+pairs of adjacent remaining words, and runs of one to three symbols (code syntax and
+formulas: ``()``, ``=``, ``\\``). Length is not a feature: every source has its typical
+length, and a model that reads it learns the source rather than the ask (docs/routing.md,
+"Guarding against learning the sources instead of difficulty"). Each present feature counts
+once, and the sum is divided by the square root of the number of known features present, so
+a long prompt does not add up evidence for being long. The weights, the bias and the
 calibration (``scale * logit + shift``, chosen so that the default tier boundaries fall
 where the training script measured them out of source) are in
 ``routing/data/classifier.json``, written by ``scripts/train_classifier.py``; evaluating
@@ -36,8 +36,8 @@ sentence embedding of the instruction (``vector``, the semantic cache's), the em
 features of a head that weighs the n-gram logit: ``w:`` a word, ``b:`` a word pair, ``s:``
 symbols).
 
-Cost: tens to a few hundred microseconds (``bench/classifier.py`` measures it), paid only
-by requests that are classified (model ``auto`` or a tenant's ``classify_models``).
+Only requests that are classified (model ``auto`` or a tenant's ``classify_models``) pay
+for it; ``bench/classifier.py`` measures what it costs.
 """
 
 from __future__ import annotations
@@ -127,12 +127,12 @@ class Classification:
         return f"score={self.score:.2f}; {head}; {','.join(self.reasons) or 'none'}"
 
 
-# The boundaries are fixed; each model's calibration puts them where the training script
-# measured them on prompts of sources it had not seen (docs/routing.md, "Evaluation and
-# thresholds"): for a head, small below the logit under which 85% of easy prompts fall, large
-# from the one over which 60% of real users' short hard asks fall (issue 34). Those two logits
-# are close, so medium is a thin band. The values are otherwise arbitrary: at 0.45 and 0.5 the
-# static head's scores keep the spread they had.
+# The boundaries are fixed, so a tier's range means the same whichever head scores; each
+# head's calibration puts them where its training script found them on prompts of sources it
+# had not seen (docs/routing.md, "Evaluation and thresholds"): small below the logit under
+# which 85% of easy prompts fall, large from the one over which 60% of real users' short hard
+# asks fall. Those two logits are close, so medium is a thin band. The values themselves are
+# arbitrary: the calibration maps each head's logits onto them.
 DEFAULT_TIERS = (
     TierRange("small", 0.0, 0.45),
     TierRange("medium", 0.45, 0.5),

@@ -279,7 +279,7 @@ class PrefixAffinity:
 
     A replica full for its prefill backlog (``routing.capacity``) is passed over only where
     the first token comes sooner, the prefill of a prefix cached elsewhere counted
-    (``keeps_prefixes``, ``routing.router.Pool``).
+    (``keeps_prefixes``, ``routing.pool.Pool``).
 
     ``members`` is the pool's replica list (homes are spread over its healthy replicas,
     whichever of them a given pick may choose from); without it, the replicas passed to

@@ -16,7 +16,7 @@ evicts from the old end once the replica's KV cache (``capacity_tokens``) would 
 
 It answers one question: how many leading blocks of a request a replica has probably
 cached (``depth``), which is the prefill the request's claim charges that replica, and
-what sending it away from a full replica would cost (``routing.router.Pool``). Placement
+what sending it away from a full replica would cost (``routing.pool.Pool``). Placement
 does not read it
 (``routing.policies.PrefixAffinity`` places by hash, so that pods agree without sharing
 this index).
