@@ -15,12 +15,13 @@ and one long burst, as the earlier runs (``--bursts 1``, the default)::
     .venv/bin/python -m bench.soak [--streams 5000] [--duration 600] [--idle 90]
 
 Method, all real processes on this machine:
-- two ``fleetgate sim`` replicas (``--replicas``; ``--tokens-per-s``, ``--ttft-ms 50``; idle keep-alive
-  connections closed after 5 s, so the gateway's pool of idle replica connections drains
-  within the idle phase) and one ``fleetgate serve`` process in front of them (one tenant,
-  limits on the memory store, access log on, log level info, capacity bounds lifted so every
-  stream is admitted at once), on CPython's default allocator (``--python-malloc malloc``
-  sets another; ``--gateway-env`` adds to the gateway's environment only);
+- two ``fleetgate sim`` replicas (``--replicas``; ``--tokens-per-s``, ``--ttft-ms 50``,
+  ``--ignore-eos``; idle keep-alive connections closed after 5 s, so the gateway's pool of
+  idle replica connections drains within the idle phase) and one ``fleetgate serve`` process
+  in front of them (one tenant, limits on the memory store, access log on, log level info,
+  capacity bounds lifted so every stream is admitted at once), on CPython's default
+  allocator (``--python-malloc malloc`` sets another; ``--gateway-env`` adds to the gateway's
+  environment only);
 - this process (uvloop) holds ``--streams`` streams open at once: each worker opens a chat
   completion stream of ``--max-tokens`` tokens, reads it to ``[DONE]``, and opens the next
   one, until ``--duration`` has passed; workers start spread over ``--ramp`` seconds; a
@@ -305,6 +306,8 @@ def fleet(cfg: SoakConfig, workdir: Path) -> Iterator[tuple[str, subprocess.Pope
             port = free_port()
             args = ["--port", str(port), "--model", MODEL, "--ttft-ms", "50", "--tokens-per-s", str(cfg.tokens_per_s)]
             args += ["--keepalive-timeout-s", str(cfg.replica_keepalive_s)]
+            # Every stream runs its max_tokens: a stream's length is the soak's to set, not a draw.
+            args.append("--ignore-eos")
             sim = subprocess.Popen([sys.executable, "-m", "gateway.cli", "sim", *args], cwd=ROOT)
             procs.append(sim)
             urls.append(f"http://127.0.0.1:{port}")

@@ -67,6 +67,9 @@ class SimSettings(_Frozen):
     profile: str | None = None
     seed: int = 0
     time_scale: float = Field(1.0, gt=0)
+    # Answers end on their own (``sim.answer_lengths``); true: every answer runs to max_tokens,
+    # as with vLLM's ignore_eos on each request (benchmarks that need exact output lengths).
+    ignore_eos: bool = False
 
 
 class KubernetesSource(_Frozen):

@@ -65,6 +65,8 @@ def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> l
     ]
     if sim.profile:
         argv += ["--profile", sim.profile]
+    if sim.ignore_eos:
+        argv.append("--ignore-eos")
     return [*argv, *rs.args]
 
 

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from replicas.replica import GAUGE_RUNNING, GAUGE_WAITING
-from sim.engine import SimRequest, SimStream
+from sim.engine import SimRequest, SimStream, natural_end
 from sim.model import EngineModel, TokenEvent, prompt_token_ids
 from sim.profiles import SimProfile, get_profile
 
@@ -111,13 +111,18 @@ class BatchedSimEngine:
 
     ``time_scale`` > 1 runs faster than real time (tests use 100-1000); ``seed`` fixes the step
     jitter and the generated text, so a replay of the same submissions gives the same streams.
+    An answer ends on its own after a length drawn from the profile's ``answer_lengths``, unless
+    ``ignore_eos`` (every request) or the request's own makes it run to ``max_tokens``.
     """
 
-    def __init__(self, profile: SimProfile, *, seed: int = 0, time_scale: float = 1.0) -> None:
+    def __init__(
+        self, profile: SimProfile, *, seed: int = 0, time_scale: float = 1.0, ignore_eos: bool = False
+    ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
         self.profile = profile
         self.time_scale = time_scale
+        self.ignore_eos = ignore_eos
         self.model = EngineModel(profile, random.Random(seed))
         self._text_rng = random.Random(seed ^ 0x5EED)
         self._streams: dict[str, _BatchedStream] = {}
@@ -142,6 +147,7 @@ class BatchedSimEngine:
         time_scale: float = 1.0,
         num_blocks: int | None = None,
         block_size: int | None = None,
+        ignore_eos: bool = False,
     ) -> BatchedSimEngine:
         """Build an engine from a registered profile name (``sim.profiles.PROFILES``).
 
@@ -153,7 +159,7 @@ class BatchedSimEngine:
             profile = dataclasses.replace(profile, block_size=block_size)
         if num_blocks is not None:
             profile = dataclasses.replace(profile, num_blocks_override=num_blocks)
-        return cls(profile, seed=seed, time_scale=time_scale)
+        return cls(profile, seed=seed, time_scale=time_scale, ignore_eos=ignore_eos)
 
     def submit(self, request: SimRequest) -> SimStream:
         """Queue a request; it reaches the scheduler after the profile's API-server latency.
@@ -178,7 +184,8 @@ class BatchedSimEngine:
         if self._task is None:
             self._task = loop.create_task(self._run(), name=f"sim-engine-{self.profile.name}")
         delay = self.profile.efficiency.frontend_latency_s / self.time_scale
-        loop.call_later(delay, self._admit, stream, token_ids, request.max_tokens)
+        eos_after = natural_end(request, self.profile.answer_lengths, self.ignore_eos)
+        loop.call_later(delay, self._admit, stream, token_ids, request.max_tokens, eos_after)
         return stream
 
     def gauges(self) -> dict[str, float]:
@@ -204,10 +211,10 @@ class BatchedSimEngine:
                 pass
         self._end_all()
 
-    def _admit(self, stream: _BatchedStream, token_ids: list[int], max_tokens: int) -> None:
+    def _admit(self, stream: _BatchedStream, token_ids: list[int], max_tokens: int, eos_after: int | None) -> None:
         if stream.done or self._closed:
             return
-        self.model.add_request(stream.request_id, token_ids, max(1, max_tokens))
+        self.model.add_request(stream.request_id, token_ids, max(1, max_tokens), eos_after)
         self._wake.set()
 
     def _abort(self, request_id: str) -> None:

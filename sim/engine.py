@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from sim.answer_lengths import CHAT_ANSWERS, AnswerLengths
+
 # A simulated "token" is this many characters of text: close to what BPE tokenizers
 # average on English (OpenAI quotes ~4 characters per token).
 CHARS_PER_TOKEN = 4
@@ -42,6 +44,18 @@ class SimRequest:
     prompt: str
     max_tokens: int
     seed: int | None = None
+    # vLLM's ``ignore_eos``: no natural end, the answer runs to ``max_tokens``.
+    ignore_eos: bool = False
+
+
+def natural_end(request: SimRequest, lengths: AnswerLengths, ignore_eos: bool) -> int | None:
+    """Where the request's answer ends on its own; None: it runs to ``max_tokens``.
+
+    ``ignore_eos`` is the engine's (the server's ``--ignore-eos``), for every request.
+    """
+    if ignore_eos or request.ignore_eos:
+        return None
+    return lengths.end_of(request.prompt, request.seed)
 
 
 class SimStream(Protocol):
@@ -76,10 +90,16 @@ class SimEngine(Protocol):
 
 @dataclass(frozen=True)
 class FixedRateConfig:
-    """Every request waits ``ttft_s`` for its first token, then gets ``tokens_per_s``."""
+    """Every request waits ``ttft_s`` for its first token, then gets ``tokens_per_s``.
+
+    Its answer ends on its own after a length drawn from ``answer_lengths``
+    (``sim.answer_lengths``) unless ``ignore_eos``, or the request's, makes it run to ``max_tokens``.
+    """
 
     ttft_s: float = 0.05
     tokens_per_s: float = 50.0
+    answer_lengths: AnswerLengths = CHAT_ANSWERS
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -101,7 +121,9 @@ class _FixedRateStream:
         try:
             await asyncio.sleep(cfg.ttft_s)
             gap = 1.0 / cfg.tokens_per_s if cfg.tokens_per_s > 0 else 0.0
-            for i in range(self.request.max_tokens):
+            end = natural_end(self.request, cfg.answer_lengths, cfg.ignore_eos)
+            stops = end is not None and end <= self.request.max_tokens
+            for i in range(end if stops and end is not None else self.request.max_tokens):
                 if self._cancelled:
                     self.finish_reason = "abort"
                     return
@@ -109,7 +131,7 @@ class _FixedRateStream:
                     await asyncio.sleep(gap)
                 self.completion_tokens += 1
                 yield (" " if i else "") + rng.choice(_WORDS)
-            self.finish_reason = "length"
+            self.finish_reason = "stop" if stops else "length"
         finally:
             self.engine.running -= 1
 

@@ -71,6 +71,8 @@ class Generation:
     stream: bool = False
     seed: int | None = None
     tool_call: ToolCall | None = None
+    # vLLM's ``ignore_eos`` extension (chat, completions, Responses): run to ``max_tokens``.
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,9 @@ async def serve(request: web.Request, api: GenerationApi) -> web.StreamResponse:
     rid = api.new_id()
     pieces = generation.tool_call.pieces if generation.tool_call is not None else None
     max_tokens = generation.max_tokens if pieces is None else min(generation.max_tokens, len(pieces))
-    request_ = SimRequest(request_id=rid, prompt=generation.prompt, max_tokens=max_tokens, seed=generation.seed)
+    # A tool call's arguments are fixed beforehand: its answer ends with the last piece, not before.
+    ignore_eos = generation.ignore_eos or pieces is not None
+    request_ = SimRequest(rid, generation.prompt, max_tokens, seed=generation.seed, ignore_eos=ignore_eos)
     freeze = request.app[FREEZE_KEY]
     await freeze.admit()  # a frozen replica answers nothing until it thaws
     try:
@@ -148,6 +152,11 @@ def max_tokens_of(body: dict[str, Any], *keys: str) -> int | Rejection:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         return Rejection(400, f"{key} must be at least 1, got {value}.", param=key)
     return value
+
+
+def ignore_eos_of(body: dict[str, Any]) -> bool:
+    """vLLM's ``ignore_eos``: keep generating past the end of the answer, up to the limit."""
+    return body.get("ignore_eos") is True
 
 
 def seed_of(body: dict[str, Any]) -> int | None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sim.answer_lengths import CHAT_ANSWERS, AnswerLengths
+
 FP16_BYTES = 2  # bf16/fp16 weights and KV cache
 # vLLM's default page size: the prefix cache and the allocator work in blocks of this many tokens.
 DEFAULT_BLOCK_SIZE = 16
@@ -131,6 +133,8 @@ class SimProfile:
     block_size: int = DEFAULT_BLOCK_SIZE
     # vLLM's --num-gpu-blocks-override: a KV cache of this many blocks, whatever the memory.
     num_blocks_override: int | None = None
+    # How long the model's answers run when they end on their own (``sim.answer_lengths``).
+    answer_lengths: AnswerLengths = CHAT_ANSWERS
 
     @property
     def kv_pool_bytes_per_gpu(self) -> int:

@@ -31,7 +31,17 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from sim.generation import TOOL_CALLS, Call, Generation, ToolCall, forced_call, max_tokens_of, seed_of, serve
+from sim.generation import (
+    TOOL_CALLS,
+    Call,
+    Generation,
+    ToolCall,
+    forced_call,
+    ignore_eos_of,
+    max_tokens_of,
+    seed_of,
+    serve,
+)
 from sim.prompts import Turn, render_chat, text_of
 from sim.wire import Rejection, check_model, invalid, openai_error
 
@@ -180,10 +190,11 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
 def status_of(call: Call) -> str:
     """ "incomplete" when the answer hit the client's ``max_output_tokens``.
 
-    Without one, the answer ends at the simulator's stand-in limit (``DEFAULT_MAX_TOKENS``),
-    which plays the model's natural end: vLLM would let a real model run to its end of
-    sequence and answer "completed", and clients such as the Agents SDK treat an incomplete
-    response as a failure.
+    Without one, vLLM lets the model run to its end of sequence and answers "completed"; the
+    simulator's answer ends on its own too (``sim.answer_lengths``), and one that reaches the
+    stand-in limit (``DEFAULT_MAX_TOKENS``: with ``ignore_eos``, or a long draw) is reported
+    "completed" as well, since clients such as the Agents SDK treat an incomplete response as a
+    failure.
     """
     hit_limit = call.tokens.finish_reason == "length" and call.body.get("max_output_tokens") is not None
     return "incomplete" if hit_limit else "completed"
@@ -215,8 +226,9 @@ class ResponsesApi:
         tool_call = tool_call_of(body)
         if isinstance(tool_call, Rejection):
             return tool_call
-        stream, seed = bool(body.get("stream")), seed_of(body)
-        return Generation(render_chat(turns), max_tokens, stream=stream, seed=seed, tool_call=tool_call)
+        stream, seed, ignore_eos = bool(body.get("stream")), seed_of(body), ignore_eos_of(body)
+        prompt = render_chat(turns)
+        return Generation(prompt, max_tokens, stream=stream, seed=seed, tool_call=tool_call, ignore_eos=ignore_eos)
 
     def error(self, rejection: Rejection) -> web.Response:
         return openai_error(rejection)

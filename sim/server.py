@@ -31,7 +31,7 @@ from aiohttp import web
 from sim import messages_api, pooling_api, responses_api, tokenize_api
 from sim.engine import FixedRateConfig, FixedRateEngine, SimEngine
 from sim.freeze import FREEZE_KEY, Freeze, freeze_route
-from sim.generation import Call, Generation, ToolCall, forced_call, max_tokens_of, seed_of, serve
+from sim.generation import Call, Generation, ToolCall, forced_call, ignore_eos_of, max_tokens_of, seed_of, serve
 from sim.lora_api import LORA_KEY, LoraState, load_lora_adapter, model_cards, parse_modules, runtime_updating
 from sim.prompts import chat_turns, render_chat
 from sim.wire import ENGINE_KEY, MAX_MODEL_LEN_KEY, MODEL_KEY, Rejection, check_model, openai_error
@@ -72,7 +72,8 @@ class OpenAIApi:
         if isinstance(tool_call, Rejection):
             return tool_call
         stream, seed = bool(body.get("stream")), seed_of(body)
-        return Generation(prompt, max_tokens, stream=stream, seed=seed, tool_call=tool_call)
+        ignore_eos = ignore_eos_of(body)
+        return Generation(prompt, max_tokens, stream=stream, seed=seed, tool_call=tool_call, ignore_eos=ignore_eos)
 
     def _prompt(self, body: dict[str, Any]) -> str | None:
         if self.kind == "chat":
@@ -271,16 +272,19 @@ def build_engine(
     time_scale: float,
     num_blocks: int | None = None,
     block_size: int | None = None,
+    ignore_eos: bool = False,
 ) -> SimEngine:
-    """A fixed-rate engine, or the calibrated batching model when a profile is named."""
+    """A fixed-rate engine, or the calibrated batching model when a profile is named.
+
+    ``ignore_eos``: every answer runs to ``max_tokens``, as if each request set vLLM's field.
+    """
     if profile is None:
-        return FixedRateEngine(
-            FixedRateConfig(ttft_s=ttft_ms / 1000 / time_scale, tokens_per_s=tokens_per_s * time_scale)
-        )
+        ttft_s, rate = ttft_ms / 1000 / time_scale, tokens_per_s * time_scale
+        return FixedRateEngine(FixedRateConfig(ttft_s=ttft_s, tokens_per_s=rate, ignore_eos=ignore_eos))
     from sim.batched_engine import BatchedSimEngine
 
     return BatchedSimEngine.from_profile(
-        profile, seed=seed, time_scale=time_scale, num_blocks=num_blocks, block_size=block_size
+        profile, seed=seed, time_scale=time_scale, num_blocks=num_blocks, block_size=block_size, ignore_eos=ignore_eos
     )
 
 
@@ -346,6 +350,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (with --profile)")
     parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="no natural ends: every answer runs to max_tokens, as with vLLM's ignore_eos on each request",
+    )
+    parser.add_argument(
         "--busy-health-delay-ms", type=float, default=0.0, help="answer /health this late while generating"
     )
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (as vLLM's flag)")
@@ -375,6 +384,7 @@ def run(args: argparse.Namespace) -> None:
         time_scale=args.time_scale,
         num_blocks=args.num_gpu_blocks_override,
         block_size=args.block_size,
+        ignore_eos=args.ignore_eos,
     )
     from sim.batched_engine import BatchedSimEngine
 

@@ -141,6 +141,9 @@ def chat(max_tokens: int, **extra: Any) -> dict[str, Any]:
 
 
 def managed(count: int = 1, **sim: Any) -> dict[str, Any]:
+    # Every answer runs to its max_tokens: these tests time their streams by it (a stream to drop
+    # mid-way, one that outlives its deadline), which a natural end would cut short.
+    sim = {"ignore_eos": True, **sim}
     return {"models": [{"name": MODEL, "replicas": [{"engine": "sim", "count": count, "sim": sim}]}]}
 
 

@@ -1,9 +1,11 @@
 """The simulator's Responses, Messages, pooling and tokenizer endpoints, on the wire and through the SDKs.
 
 Each test serves the simulator on a loopback port. The fixed-rate engine draws its words from
-a generator seeded by the prompt, so the same request gives the same text, whole or streamed,
-and every request runs to its token limit (vLLM's "length"); ``StopEngine`` ends answers on
-their own, for the "completed" / "end_turn" paths.
+a generator seeded by the prompt, so the same request gives the same text, whole or streamed.
+The ``sim`` fixture's engine ignores EOS, so every request runs to its token limit (vLLM's
+"length") and the wire shapes can be counted; ``StopEngine`` ends answers on their own after a
+few words, for the "completed" / "end_turn" paths, and ``natural_sim`` is the simulator's own
+default (answers of a drawn length, ``sim.answer_lengths``) for the Agents SDK's runs.
 
 The stand-in chat template renders a conversation as ``<|role|>text`` lines and a last
 ``<|assistant|>`` line; a token is 4 characters, rounded up.
@@ -25,7 +27,8 @@ from sim.model import prompt_token_ids
 from sim.server import create_app
 
 MODEL = "sim-model"
-FAST = FixedRateConfig(ttft_s=0.0, tokens_per_s=50_000.0)
+FAST = FixedRateConfig(ttft_s=0.0, tokens_per_s=50_000.0, ignore_eos=True)
+NATURAL = FixedRateConfig(ttft_s=0.0, tokens_per_s=50_000.0)
 # "<|user|>hello there" (8 + 11) + "\n" + "<|assistant|>" (13) = 33 characters = 9 tokens.
 HELLO_TOKENS = 9
 assert count_tokens("<|user|>hello there\n<|assistant|>") == HELLO_TOKENS
@@ -84,6 +87,12 @@ async def _serve(engine: SimEngine) -> AsyncIterator[str]:
 @pytest.fixture
 async def sim() -> AsyncIterator[str]:
     async for url in _serve(FixedRateEngine(FAST)):
+        yield url
+
+
+@pytest.fixture
+async def natural_sim() -> AsyncIterator[str]:
+    async for url in _serve(FixedRateEngine(NATURAL)):
         yield url
 
 
@@ -262,19 +271,19 @@ async def test_openai_sdk_parses_responses_whole_and_streamed(sim: str) -> None:
     await client.close()
 
 
-async def test_agents_sdk_runs_an_agent_on_responses(sim: str) -> None:
+async def test_agents_sdk_runs_an_agent_on_responses(natural_sim: str) -> None:
     openai = pytest.importorskip("openai")
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
-    client = openai.AsyncOpenAI(base_url=f"{sim}/v1", api_key="sk-sim")
+    client = openai.AsyncOpenAI(base_url=f"{natural_sim}/v1", api_key="sk-sim")
     model = agents.OpenAIResponsesModel(model=MODEL, openai_client=client)
     agent = agents.Agent(name="sim", instructions="Be brief.", model=model)
     result = await agents.Runner.run(agent, "hello there")
     streamed = agents.Runner.run_streamed(agent, "hello there")
     async for _ in streamed.stream_events():
         pass
-    # Same prompt, same words: DEFAULT_MAX_TOKENS of them, the answer's stand-in natural end.
-    assert len(result.final_output.split()) == DEFAULT_MAX_TOKENS
+    # Same prompt, same words and the same drawn length, which ended the answer before the limit.
+    assert 0 < len(result.final_output.split()) < DEFAULT_MAX_TOKENS
     assert streamed.final_output == result.final_output
     await client.close()
 
@@ -896,7 +905,7 @@ async def test_messages_turn_after_a_tool_use_answers_text(stopping_sim: str) ->
     assert (got["stop_reason"], got["content"]) == ("end_turn", [{"type": "text", "text": "Hello from the fleet"}])
 
 
-async def test_agents_sdk_calls_a_forced_tool_then_answers(sim: str) -> None:
+async def test_agents_sdk_calls_a_forced_tool_then_answers(natural_sim: str) -> None:
     openai = pytest.importorskip("openai")
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
@@ -908,7 +917,7 @@ async def test_agents_sdk_calls_a_forced_tool_then_answers(sim: str) -> None:
         calls.append((a, b))
         return a + b
 
-    client = openai.AsyncOpenAI(base_url=f"{sim}/v1", api_key="sk-sim")
+    client = openai.AsyncOpenAI(base_url=f"{natural_sim}/v1", api_key="sk-sim")
     model = agents.OpenAIResponsesModel(model=MODEL, openai_client=client)
     settings = agents.ModelSettings(tool_choice="required")
     agent = agents.Agent(name="sim", instructions="Add.", model=model, tools=[add], model_settings=settings)
@@ -918,7 +927,7 @@ async def test_agents_sdk_calls_a_forced_tool_then_answers(sim: str) -> None:
     assert calls == [(1, 1)]
     kinds = [item.type for item in result.new_items]
     assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"]
-    assert isinstance(result.final_output, str) and len(result.final_output.split()) == DEFAULT_MAX_TOKENS
+    assert isinstance(result.final_output, str) and 0 < len(result.final_output.split()) < DEFAULT_MAX_TOKENS
 
     streamed = agents.Runner.run_streamed(agent, "add one and one")
     async for _ in streamed.stream_events():
