@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 # By dialect name (``Dialect.name``).
-PLANS: dict[str, Callable[[dict[str, Any], bytes], Continuation | None]] = {
+PLANS: dict[str, Callable[[dict[str, Any], bytes, int | None], Continuation | None]] = {
     "chat": plan_chat,
     "completions": plan_completions,
     "messages": plan_messages,
@@ -40,8 +40,14 @@ PLANS: dict[str, Callable[[dict[str, Any], bytes], Continuation | None]] = {
 }
 
 
-def plan(api: str, call_body: dict[str, Any], relayed: bytes) -> Continuation | None:
+def plan(api: str, call_body: dict[str, Any], relayed: bytes, tokens: int | None = None) -> Continuation | None:
     """The continuation of ``api``'s stream cut after ``relayed`` (whole events, as sent to
-    the client), or None: an API that is not continued, or a stream that cannot be exactly."""
+    the client), or None: an API that is not continued, or a stream that cannot be exactly.
+
+    ``tokens``: how many tokens the relayed text holds, when the caller knows (``/tokenize``
+    of a first plan's ``partial_text`` on the next replica); else they are counted from the
+    events, exactly when the stream carries token ids or continuous usage, otherwise as a
+    lower bound (one per event), and the continuation may then exceed the token limit.
+    """
     planner = PLANS.get(api)
-    return planner(call_body, relayed) if planner is not None else None
+    return planner(call_body, relayed, tokens) if planner is not None else None

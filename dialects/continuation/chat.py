@@ -5,10 +5,14 @@ Chat: the relayed text becomes a trailing assistant message that vLLM continues
 the original's generation prompt followed by the partial text, without an end of turn).
 Completions: the prompt string followed by the relayed text.
 
-Every chunk vLLM sends after the opening one carries exactly one token (an empty ``content``
-or ``text`` when the token ends inside a UTF-8 character, whose bytes the detokenizer holds).
-So the relayed tokens are counted exactly, except those trailing empty chunks: their bytes
-never reached the client, the continuation generates them again, and they are not counted.
+Counting the relayed tokens: a chunk carries at least one token (an empty ``content`` or
+``text`` when the token ends inside a UTF-8 character, whose bytes the detokenizer holds),
+and more when vLLM merges the outputs of a stream its client reads late (seen under load).
+So a chunk counts as one token, a lower bound, unless the stream says exactly: the chunk's
+``token_ids`` (``return_token_ids: true``), or the cumulative ``usage`` every chunk carries
+with ``stream_options.continuous_usage_stats``. Tokens after the last text are not counted:
+their bytes never reached the client, and the continuation generates them again. A caller
+that knows better (``/tokenize`` of the partial text) passes ``tokens``.
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ class _Relayed:
     model: Any = None
     pieces: list[str] = field(default_factory=list)
     tokens: int = 0
-    # Token chunks at the end with no text yet: bytes of a character still held upstream.
-    held: int = 0
+    # The tokens up to the last chunk with text: what the client has.
+    shown: int = 0
 
 
-def plan_chat(call_body: dict[str, Any], relayed: bytes) -> Continuation | None:
-    """The continuation of a chat stream cut after ``relayed``, or None when it cannot be exact."""
+def plan_chat(call_body: dict[str, Any], relayed: bytes, tokens: int | None = None) -> Continuation | None:
+    """The continuation of a chat stream cut after ``relayed``, or None when it cannot be exact;
+    ``tokens``: the relayed text's tokens when the caller knows them (else counted)."""
     if _refused(call_body, _CHAT_REFUSED) or _calls_tools(call_body):
         return None
     messages = call_body.get("messages")
@@ -64,7 +69,7 @@ def plan_chat(call_body: dict[str, Any], relayed: bytes) -> Continuation | None:
     partial = "".join(seen.pieces)
     if not partial or stop_may_straddle(call_body.get("stop"), partial):
         return None
-    tokens = seen.tokens - seen.held
+    tokens = seen.shown if tokens is None else tokens
     body = dict(call_body)
     if call_body.get("continue_final_message"):
         # The client's own prefill, already continued: the partial text extends it.
@@ -86,7 +91,7 @@ def plan_chat(call_body: dict[str, Any], relayed: bytes) -> Continuation | None:
     return Continuation(CHAT_PATH, body, tokens, partial, splicer)
 
 
-def plan_completions(call_body: dict[str, Any], relayed: bytes) -> Continuation | None:
+def plan_completions(call_body: dict[str, Any], relayed: bytes, tokens: int | None = None) -> Continuation | None:
     """The continuation of a completions stream: one string prompt, one choice."""
     if _refused(call_body, _COMPLETIONS_REFUSED) or call_body.get("best_of") not in (None, 1):
         return None
@@ -99,7 +104,7 @@ def plan_completions(call_body: dict[str, Any], relayed: bytes) -> Continuation 
     partial = "".join(seen.pieces)
     if not partial or stop_may_straddle(call_body.get("stop"), partial):
         return None
-    tokens = seen.tokens - seen.held
+    tokens = seen.shown if tokens is None else tokens
     body = dict(call_body)
     body["prompt"] = prompt + partial
     limit = call_body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -168,14 +173,16 @@ def _read(relayed: bytes, *, chat: bool) -> _Relayed | None:
         chunk = event.data
         if chunk is None:
             continue  # a comment (keep-alive)
-        if not isinstance(chunk, dict) or "error" in chunk or chunk.get("usage"):
-            return None  # an error, or the final usage: the stream had ended
+        if not isinstance(chunk, dict) or "error" in chunk:
+            return None
         if seen.id is None:
             seen.id, seen.created, seen.model = chunk.get("id"), chunk.get("created"), chunk.get("model")
         choices = chunk.get("choices")
         if not isinstance(choices, list) or len(choices) > 1:
             return None
         if not choices:
+            if chunk.get("usage"):
+                return None  # the final usage: the stream had ended
             continue
         choice = choices[0]
         if not isinstance(choice, dict) or choice.get("index", 0) != 0 or choice.get("finish_reason") is not None:
@@ -193,13 +200,21 @@ def _read(relayed: bytes, *, chat: bool) -> _Relayed | None:
             text = choice.get("text")
         if text is not None and not isinstance(text, str):
             return None
-        seen.tokens += 1
+        seen.tokens = _count(seen.tokens, chunk, choice)
         if text:
             seen.pieces.append(text)
-            seen.held = 0
-        else:
-            seen.held += 1
-    return seen if seen.tokens else None
+            seen.shown = seen.tokens
+    return seen if seen.pieces else None
+
+
+def _count(before: int, chunk: dict[str, Any], choice: dict[str, Any]) -> int:
+    """The tokens generated up to ``chunk``: exact from its cumulative usage or token ids,
+    else one more (a chunk carries at least one)."""
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return max(before, int(usage["completion_tokens"]))
+    ids = choice.get("token_ids")
+    return before + (len(ids) if isinstance(ids, list) and ids else 1)
 
 
 def _opening(chunk: dict[str, Any]) -> bool:

@@ -26,8 +26,12 @@ _REFUSED = ("tools", "tool_choice", "thinking", "output_config")
 _PASSED = ("top_k", "top_p", "temperature", "cache_salt", "chat_template_kwargs", "vllm_xargs", "watermarking")
 
 
-def plan_messages(call_body: dict[str, Any], relayed: bytes) -> Continuation | None:
-    """The continuation of a Messages stream cut inside its first (text) block, as a chat request."""
+def plan_messages(call_body: dict[str, Any], relayed: bytes, tokens: int | None = None) -> Continuation | None:
+    """The continuation of a Messages stream cut inside its first (text) block, as a chat
+    request. ``tokens``: the relayed text's tokens when the caller knows them; else each
+    delta counts one, a lower bound (vLLM merges a late reader's tokens into one delta and
+    sends none for a token that ends inside a character), so the continuation may run past
+    ``max_tokens`` by the difference."""
     if any(call_body.get(name) not in (None, [], {}) for name in _REFUSED):
         return None
     messages = _chat_messages(call_body)
@@ -40,7 +44,7 @@ def plan_messages(call_body: dict[str, Any], relayed: bytes) -> Continuation | N
     partial = "".join(pieces)
     if not partial or stop_may_straddle(call_body.get("stop_sequences"), partial):
         return None
-    tokens = len(pieces)
+    tokens = len(pieces) if tokens is None else tokens
     body: dict[str, Any] = {"model": call_body.get("model"), "messages": [*messages]}
     body["messages"].append({"role": "assistant", "content": partial})
     left = remaining(call_body.get("max_tokens"), tokens)
@@ -67,7 +71,10 @@ class MessagesSplicer:
     chunk. ``[DONE]`` and the opening role chunk are dropped; comments pass.
 
     Usage: ``input_tokens`` as the original's ``message_start`` said (exact);
-    ``output_tokens`` = relayed deltas + the continuation's completion tokens.
+    ``output_tokens`` = the partial text's tokens + the continuation's completion tokens,
+    where the partial text's tokens are the continuation's prompt minus the original's
+    (exact unless re-tokenising the partial text changed its length; unlike the deltas, it
+    does not depend on how vLLM grouped the tokens), or the planned count if that is negative.
     """
 
     __slots__ = ("_finish", "_input", "_stop_reason", "_tokens", "_usage")
@@ -116,11 +123,12 @@ class MessagesSplicer:
         return b"".join(out)
 
     def _end(self, usage: dict[str, Any]) -> bytes:
-        completion = usage.get("completion_tokens")
-        output = self._tokens + (completion if isinstance(completion, int) else 0)
+        completion, given = usage.get("completion_tokens"), usage.get("prompt_tokens")
+        prompt = sum(self._input.values())
+        partial = given - prompt if isinstance(given, int) and given >= prompt else self._tokens
+        output = partial + (completion if isinstance(completion, int) else 0)
         stop_reason, stop_sequence = _stop_reason(self._finish, self._stop_reason)
         client = {**self._input, "output_tokens": output}
-        prompt = sum(self._input.values())
         self._usage = counts(prompt, output)
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         return typed_event("message_delta", {"type": "message_delta", "delta": delta, "usage": client}) + typed_event(

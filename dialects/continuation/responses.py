@@ -27,11 +27,14 @@ _BEFORE_TEXT = _OPENING
 _REFUSED = ("reasoning", "tools", "top_logprobs", "previous_response_id")
 
 
-def plan_responses(call_body: dict[str, Any], relayed: bytes) -> Continuation | None:
+def plan_responses(call_body: dict[str, Any], relayed: bytes, tokens: int | None = None) -> Continuation | None:
     """The continuation of a Responses stream cut inside its first message's text.
 
     ``call_body`` is the body as sent upstream (the gateway has expanded any
-    ``previous_response_id`` into the input already).
+    ``previous_response_id`` into the input already). ``tokens``: the relayed text's tokens
+    when the caller knows them; else each text delta counts one, a lower bound (vLLM merges
+    a late reader's tokens into one delta and sends none for a token that ends inside a
+    character), so the continuation may run past ``max_output_tokens`` by the difference.
     """
     if any(call_body.get(name) not in (None, [], {}, 0) for name in _REFUSED):
         return None
@@ -55,7 +58,7 @@ def plan_responses(call_body: dict[str, Any], relayed: bytes) -> Continuation | 
     partial = "".join(pieces)
     if not partial or stop_may_straddle(call_body.get("stop"), partial):
         return None
-    tokens = len(pieces)
+    tokens = len(pieces) if tokens is None else tokens
     body = dict(call_body)
     prefill = {
         "type": "message",
@@ -82,10 +85,10 @@ class ResponsesSplicer:
     ``created_at``, ``max_output_tokens``); ``output_text.done``, ``content_part.done``,
     ``output_item.done`` and the final response carry the whole text, partial text first.
 
-    Usage: ``output_tokens`` = relayed text deltas + the continuation's; ``input_tokens`` =
-    the continuation's minus the relayed deltas (the original's count would have come only
-    with its final event), which is the original's unless re-tokenising the partial text
-    changed its length or vLLM skipped empty deltas (a token ending inside a character).
+    Usage: ``output_tokens`` = the planned relayed tokens + the continuation's;
+    ``input_tokens`` = the continuation's minus the planned relayed tokens (the original's
+    count would have come only with its final event): the original's when the count was
+    given exactly (``/tokenize`` of the partial text) and re-tokenising kept its length.
     """
 
     __slots__ = ("_created_at", "_id", "_item_id", "_max_output", "_partial", "_sequence", "_tokens", "_usage")

@@ -548,3 +548,43 @@ def test_plan_by_dialect_name() -> None:
     continuation = plan("chat", CHAT_BODY, relayed)
     assert continuation is not None and continuation.partial_text == "Hello"
     assert plan("embeddings", {"model": "tiny", "input": "x"}, relayed) is None
+
+
+def test_tokens_merged_into_one_chunk_are_counted_exactly_when_the_stream_says() -> None:
+    # vLLM merges a late reader's tokens: one chunk, three tokens.
+    plain = chat_chunk("c", 1, {"content": "Hello"})
+    continuation = plan_chat(CHAT_BODY, plain)
+    assert continuation is not None and continuation.relayed_tokens == 1  # a lower bound
+    # With continuous usage stats every chunk carries the cumulative count (no final chunk yet).
+    choice = {"index": 0, "delta": {"content": "Hello"}, "logprobs": None, "finish_reason": None}
+    usage = {"prompt_tokens": 12, "total_tokens": 15, "completion_tokens": 3}
+    counted = data({"id": "c", "created": 1, "model": "tiny", "choices": [choice], "usage": usage})
+    continuation = plan_chat(CHAT_BODY, counted)
+    assert continuation is not None
+    assert (continuation.relayed_tokens, continuation.body["max_tokens"]) == (3, 7)
+    # With return_token_ids each chunk lists its ids.
+    ids = text_chunk("c", 1, " upon a").replace(b'"stop_reason":null', b'"stop_reason":null,"token_ids":[7,8]')
+    continuation = plan_completions(COMPLETIONS_BODY, ids + text_chunk("c", 1, " time"))
+    assert continuation is not None and continuation.relayed_tokens == 3
+    # Or the caller knows (/tokenize of the partial text).
+    continuation = plan("chat", CHAT_BODY, plain, tokens=2)
+    assert continuation is not None
+    assert (continuation.relayed_tokens, continuation.body["max_tokens"]) == (2, 8)
+
+
+def test_messages_usage_counts_the_partial_text_from_the_prompts() -> None:
+    # Two tokens came in one delta: the deltas say 1, the prompts say 2 (17 - 15).
+    start, block = messages_stream(TOKENS, 15)[:2]
+    relayed = (
+        start
+        + block
+        + typed(
+            "content_block_delta",
+            {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hello"}, "index": 0},
+        )
+    )
+    continuation = plan_messages(MESSAGES_BODY, relayed)
+    assert continuation is not None and continuation.relayed_tokens == 1
+    rest = chat_stream("chatcmpl-x", 5, [",", " wor", "ld"], prompt=17)
+    stitch(continuation, relayed, rest)
+    assert continuation.usage == {"prompt_tokens": 15, "completion_tokens": 5, "total_tokens": 20}
