@@ -22,9 +22,8 @@ _OPENING = frozenset(
 )
 # Events before the first text that the client may have been sent.
 _BEFORE_TEXT = _OPENING
-# Reasoning models, tools (a call would become a second output item, numbered and named by
-# the continuation), log probabilities: not continued exactly.
-_REFUSED = ("reasoning", "tools", "top_logprobs", "previous_response_id")
+# Reasoning, log probabilities, a previous response the replica cannot hold: not continued.
+_REFUSED = ("reasoning", "top_logprobs", "previous_response_id")
 
 
 def plan_responses(call_body: dict[str, Any], relayed: bytes, tokens: int | None = None) -> Continuation | None:
@@ -38,6 +37,8 @@ def plan_responses(call_body: dict[str, Any], relayed: bytes, tokens: int | None
     """
     if any(call_body.get(name) not in (None, [], {}, 0) for name in _REFUSED):
         return None
+    if call_body.get("tools") and call_body.get("tool_choice") != "none":
+        return None  # a call's parser would read the continuation's text alone, not the partial before it
     text = call_body.get("text")
     if isinstance(text, dict) and isinstance(text.get("format"), dict) and text["format"].get("type") != "text":
         return None  # structured output: its grammar would restart at the partial text's end

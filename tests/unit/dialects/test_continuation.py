@@ -513,6 +513,8 @@ def test_responses_refusals() -> None:
     ):
         assert plan_responses({**RESPONSES_BODY, **change}, relayed) is None, change
     assert plan_responses({**RESPONSES_BODY, "text": {"format": {"type": "text"}}}, relayed) is not None
+    tools = {"tools": [{"type": "function", "name": "f"}], "tool_choice": "none"}
+    assert plan_responses({**RESPONSES_BODY, **tools}, relayed) is not None
     reasoning = typed(
         "response.output_item.added",
         {
