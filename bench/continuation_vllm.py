@@ -79,6 +79,7 @@ class Outcome:
     cut: int = 0  # the partial text's length, in characters
     differs_at: int | None = None
     longer_by: int = 0  # the stitched text is the uninterrupted one plus this many characters
+    shorter_by: int = 0  # the stitched text is the uninterrupted one less this many characters
     retokenised: bool | None = None
     # Continued from the exact token ids instead (a completions request): the ids equal.
     control_equal: bool | None = None
@@ -272,6 +273,8 @@ async def one(
         return outcome
     if actual.startswith(expected):
         outcome.longer_by = len(actual) - len(expected)
+    elif expected.startswith(actual):
+        outcome.shorter_by = len(expected) - len(actual)
     else:
         outcome.differs_at = next(
             (i for i, (a, b) in enumerate(zip(actual, expected, strict=False)) if a != b),
@@ -308,6 +311,7 @@ async def control(
     else:
         rendered = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "add_generation_prompt": True}
     prompt_ids = (await post_json(session, base + "/tokenize", rendered))["tokens"]
+    cut = min(cut, len(ids) - 1)  # a count from /tokenize may exceed the generated tokens
     body = {
         "model": MODEL,
         "prompt": prompt_ids + ids[:cut],
@@ -345,15 +349,16 @@ async def run_all(
 
 def table(results: dict[str, list[Outcome]], greedy: bool, max_tokens: int) -> list[str]:
     lines = [
-        "| API | streams | refused | text equal | longer than the original | diverged |"
+        "| API | streams | refused | text equal | longer than the original | shorter | diverged |"
         " re-tokenising changed the partial's ids | control: continued from exact ids, equal | shape faults |"
         " usage's completion tokens = uninterrupted's | stitched text re-tokenised = max_tokens |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for api, outcomes in results.items():
         tried = [o for o in outcomes if not o.refused]
         equal = sum(o.equal for o in tried)
         longer = [o for o in tried if o.longer_by]
+        shorter = sum(1 for o in tried if o.shorter_by)
         diverged = [o for o in tried if o.differs_at is not None]
         explained = sum(1 for o in diverged if o.retokenised)
         controls = [o for o in tried if o.control_equal is not None]
@@ -364,6 +369,7 @@ def table(results: dict[str, list[Outcome]], greedy: bool, max_tokens: int) -> l
         exact = f"{sum(1 for o in counted if o.text_tokens == max_tokens)} of {len(counted)}" if counted else "-"
         lines.append(
             f"| {api} | {len(outcomes)} | {len(outcomes) - len(tried)} | {equal} of {len(tried)} | {len(longer)} |"
+            f" {shorter} |"
             f" {len(diverged)} | {f'{explained} of {len(diverged)}' if greedy else '-'} | {control} | {faults} |"
             f" {usage} of {len(tried)} | {exact} |"
         )
@@ -392,6 +398,7 @@ def details(results: dict[str, list[Outcome]]) -> list[str]:
                 continue
             lines.append(
                 f"- {api}: cut at {o.cut} chars; differs at {o.differs_at}; longer by {o.longer_by};"
+                f" shorter by {o.shorter_by};"
                 f" re-tokenised {o.retokenised}; control equal {o.control_equal}; shape {o.shape or 'ok'};"
                 f" usage delta {o.usage_delta}; stitched text tokens {o.text_tokens}"
             )
