@@ -22,6 +22,8 @@ _OPENING = frozenset(
 )
 # Events before the first text that the client may have been sent.
 _BEFORE_TEXT = _OPENING
+# The last event of a stream, with the whole response.
+_FINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # Reasoning, log probabilities, a previous response the replica cannot hold: not continued.
 _REFUSED = ("reasoning", "top_logprobs", "previous_response_id")
 
@@ -92,7 +94,17 @@ class ResponsesSplicer:
     given exactly (``/tokenize`` of the partial text) and re-tokenising kept its length.
     """
 
-    __slots__ = ("_created_at", "_id", "_item_id", "_max_output", "_partial", "_sequence", "_tokens", "_usage")
+    __slots__ = (
+        "_closed",
+        "_created_at",
+        "_id",
+        "_item_id",
+        "_max_output",
+        "_partial",
+        "_sequence",
+        "_tokens",
+        "_usage",
+    )
 
     def __init__(
         self,
@@ -111,6 +123,8 @@ class ResponsesSplicer:
         self._tokens = tokens
         self._max_output = max_output
         self._usage: dict[str, int] | None = None
+        # The continued item's output_item.done went through.
+        self._closed = False
 
     @property
     def usage(self) -> dict[str, int] | None:
@@ -126,6 +140,8 @@ class ResponsesSplicer:
             kind = event.kind
             if kind in _OPENING and data.get("output_index", 0) == 0 and data.get("content_index", 0) == 0:
                 continue
+            if kind in _FINAL and not self._closed:
+                out.append(self._close())
             data = dict(data)
             self._sequence += 1
             if "sequence_number" in data:
@@ -139,10 +155,39 @@ class ResponsesSplicer:
                 data["part"] = self._prefixed(data["part"])
             elif kind == "response.output_item.done" and first and isinstance(data.get("item"), dict):
                 data["item"] = self._item(data["item"])
+                self._closed = True
             elif isinstance(data.get("response"), dict):
                 data["response"] = self._response(data["response"])
             out.append(typed_event(kind, data))
         return b"".join(out)
+
+    def _close(self) -> bytes:
+        """The continued item's closing events, when the continuation sent none: it generated
+        no text (a token ending inside a character, then the limit), so vLLM opened no item."""
+        self._closed = True
+        where = {"content_index": 0, "item_id": self._item_id, "output_index": 0}
+        closing = [
+            ("response.output_text.done", {**where, "logprobs": [], "text": self._partial}),
+            ("response.content_part.done", {**where, "part": self._part()}),
+            ("response.output_item.done", {"item": self._message(), "output_index": 0}),
+        ]
+        out = []
+        for kind, data in closing:
+            self._sequence += 1
+            out.append(typed_event(kind, {**data, "sequence_number": self._sequence, "type": kind}))
+        return b"".join(out)
+
+    def _part(self) -> dict[str, Any]:
+        return {"annotations": [], "text": self._partial, "type": "output_text", "logprobs": None}
+
+    def _message(self) -> dict[str, Any]:
+        return {
+            "id": self._item_id,
+            "content": [self._part()],
+            "role": "assistant",
+            "status": "completed",
+            "type": "message",
+        }
 
     def _prefixed(self, part: dict[str, Any]) -> dict[str, Any]:
         if part.get("type") == "output_text" and isinstance(part.get("text"), str):
@@ -161,8 +206,10 @@ class ResponsesSplicer:
         if "max_output_tokens" in response:
             response["max_output_tokens"] = self._max_output
         output = response.get("output")
-        if isinstance(output, list) and output and isinstance(output[0], dict):
+        if isinstance(output, list) and output and isinstance(output[0], dict) and output[0].get("type") == "message":
             response["output"] = [self._item(output[0]), *output[1:]]
+        elif isinstance(output, list):
+            response["output"] = [self._message(), *output]
         usage = response.get("usage")
         if isinstance(usage, dict):
             given, made = usage.get("input_tokens"), usage.get("output_tokens")

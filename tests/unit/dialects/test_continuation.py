@@ -479,6 +479,35 @@ def test_responses_cut_anywhere_then_spliced_is_the_uninterrupted_stream() -> No
         assert continuation.usage == {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
 
 
+def test_responses_continuation_without_text_still_closes_the_item() -> None:
+    # The continuation's one token ended inside a character: vLLM opened no item at all.
+    whole = responses_stream("resp_a", "msg_a", 100, 10, TOKENS, 9)
+    relayed = b"".join(whole[:6])  # created, in_progress, item, part, "Hel", "lo": sequence 0-5
+    continuation = plan_responses(RESPONSES_BODY, relayed)
+    assert continuation is not None
+    usage = {"input_tokens": 11, "output_tokens": 1, "total_tokens": 12}
+    opened = response("resp_b", 300, 8, "in_progress", [], None)
+    ended = response("resp_b", 300, 8, "incomplete", [], usage)
+    rest = [
+        typed("response.created", {"response": opened, "sequence_number": 0, "type": "response.created"}),
+        typed("response.completed", {"response": ended, "sequence_number": 1, "type": "response.completed"}),
+    ]
+    out = continuation.splice(b"".join(rest))
+    sent = [orjson.loads(e.split(b"data: ", 1)[1]) for e in out.split(b"\n\n") if e]
+    assert [(e["type"], e["sequence_number"]) for e in sent] == [
+        ("response.output_text.done", 6),
+        ("response.content_part.done", 7),
+        ("response.output_item.done", 8),
+        ("response.completed", 9),
+    ]
+    assert sent[0]["text"] == "Hello"
+    assert sent[2]["item"]["id"] == "msg_a"
+    final = sent[3]["response"]
+    assert (final["id"], final["max_output_tokens"]) == ("resp_a", 10)
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+    assert final["usage"] == {"input_tokens": 9, "output_tokens": 3, "total_tokens": 12}
+
+
 def test_responses_body_ends_with_an_incomplete_assistant_message() -> None:
     relayed = b"".join(responses_stream("resp_a", "msg_a", 100, 10, TOKENS, 9)[:6])
     continuation = plan_responses({**RESPONSES_BODY, "instructions": "Be brief."}, relayed)
