@@ -42,7 +42,8 @@ from replicas.fleet import Fleet
 from routing.adapters import AdapterCatalog, AdapterSpec
 from routing.embedding_head import EmbeddingHeadError, load_head
 from routing.metrics import RoutingMetrics
-from routing.router import PoolSpec, Router
+from routing.pool import PoolSpec
+from routing.router import Router
 from routing.static_head import StaticHeadError, load_static_head
 
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from gateway.spans import Timeline
     from gateway.tracing import TraceContext
     from replicas.replica import Replica
-    from routing.router import Route
+    from routing.route import Route
 
 log = logging.getLogger("fleetgate.app")
 

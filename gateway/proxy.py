@@ -6,7 +6,7 @@ taps (``gateway.exchange.Tap``): the proxy runs them and knows none of them.
 
 Retry rule: an attempt that fails before anything reached the client (connect error,
 timeout before the first byte, a 5xx) is retried on another replica, then on the model's
-fallback chain (the picker, ``routing.router.Route``, walks both), up to
+fallback chain (the route, ``routing.route.Route``, walks both), up to
 ``upstream.max_attempts``, while the pool's retry budget allows and the request's deadline
 has not passed (then 504). Once a data event has been written, the client owns the
 stream: a later failure ends it with an SSE error event, never silently.
@@ -60,7 +60,7 @@ from gateway.upstream import (
     UpstreamResponse,
 )
 from replicas.replica import Claim, Replica
-from routing.router import EXHAUSTED, NO_REPLICA, Route
+from routing.route import EXHAUSTED, NO_REPLICA, Route
 
 CANCELLED = "The response was cancelled (POST /v1/responses/{id}/cancel)."
 

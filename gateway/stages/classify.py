@@ -18,7 +18,8 @@ from gateway.settings import Settings, TenantSettings
 from gateway.stages import CONTINUE, Reply
 from replicas.fleet import Fleet
 from routing.adapters import AdapterCatalog
-from routing.router import Router, TierChoice
+from routing.router import Router
+from routing.tiers import TierChoice
 
 log = logging.getLogger("fleetgate.routing")
 

@@ -18,7 +18,8 @@ from routing import saturation
 from routing.admission import Admitted
 from routing.config import QueueWaitSettings
 from routing.metrics import RoutingMetrics
-from routing.router import Route, Router
+from routing.route import Route
+from routing.router import Router
 
 
 @dataclass(frozen=True, slots=True)
