@@ -166,6 +166,12 @@ class SseScanner:
         self._after_cr = chunk.endswith(_CR)
         return chunk.replace(b"\r\n", b"\n").replace(_CR, b"\n")
 
+    def drop_pending(self) -> None:
+        """Forget the unfinished event held back: its stream broke, and what replaces it
+        (a continuation from another replica) starts at an event boundary."""
+        self._carry.clear()
+        self._after_cr = False
+
     @property
     def pending(self) -> bytes:
         """Bytes of an unfinished event held back (non-empty only if the stream broke)."""

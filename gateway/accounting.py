@@ -84,6 +84,8 @@ class Accounting:
         }
         if ex.error_code:
             entry["error"] = ex.error_code
+        if ex.continued:
+            entry["continued"] = [{"replica": c.replica, "reason": c.reason} for c in ex.continued]
         if ex.cut is not None:
             entry["cut"] = ex.cut
             m.series(m.stream_cuts, model_label, ex.cut).inc()

@@ -2,7 +2,8 @@
 
 GET  /admin/fleet                     every replica: state, its probe and how the last one went
                                       (why it is down), load, scraped vLLM gauges
-POST /admin/replicas/{id}/drain       stop routing new requests to it
+POST /admin/replicas/{id}/drain       stop routing new requests to it; its streams still running
+                                      after upstream.migrate_after_s continue on other replicas
 POST /admin/replicas/{id}/undrain     route to it again (once its probes pass)
 """
 
@@ -30,9 +31,13 @@ class AdminApi:
     ``keyring`` is asked on every request: a configuration reload replaces the keys.
     """
 
-    def __init__(self, fleet: Fleet, keyring: Callable[[], KeyRing]) -> None:
+    def __init__(
+        self, fleet: Fleet, keyring: Callable[[], KeyRing], on_drain: Callable[[Replica], None] | None = None
+    ) -> None:
         self._fleet = fleet
         self._keyring = keyring
+        # Told of each drained replica: its streams under way move to other replicas.
+        self._on_drain = on_drain
 
     def _authorize(self, request: web.Request) -> None:
         keyring = self._keyring()
@@ -60,6 +65,8 @@ class AdminApi:
         replica = self._replica(request)
         if replica.state is not ReplicaState.FAILED:
             replica.state = ReplicaState.DRAINING
+        if self._on_drain is not None:
+            self._on_drain(replica)
         log.info("replica drained by operator", extra={"replica": replica.id})
         return web.json_response(replica.snapshot(self._fleet.clock()))
 

@@ -255,7 +255,7 @@ def _add_probes(app: web.Application, gateway: Gateway) -> None:
 
 def _add_monitoring_routes(app: web.Application, gateway: Gateway) -> None:
     endpoints = gateway.endpoints
-    admin = AdminApi(gateway.fleet, lambda: gateway.admin_keyring)
+    admin = AdminApi(gateway.fleet, lambda: gateway.admin_keyring, gateway.proxy.migrate)
     metrics: Handler = endpoints.prometheus
     if gateway.settings.server.metrics_require_key:
         metrics = admin.guarded(endpoints.prometheus)

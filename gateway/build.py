@@ -71,6 +71,7 @@ def fleet(settings: Settings, proxy: Proxy, log_dir: Path, clock: Callable[[], f
             log_dir=log_dir,
             clock=clock,
             on_down=proxy.abandon,
+            on_removed=proxy.migrate,
         )
     except CredentialError as exc:
         raise ConfigError(str(exc)) from None

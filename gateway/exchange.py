@@ -57,6 +57,16 @@ _ID_SERIAL = itertools.count(1)
 Release = Callable[[BaseException | None], None]
 
 
+@dataclass(frozen=True, slots=True)
+class Continued:
+    """One continuation of a stream: the replica that took it over, why the one before
+    stopped (a CUT_* reason, or "drain"), and how many tokens the client had by then."""
+
+    replica: str
+    reason: str
+    relayed_tokens: int
+
+
 def request_id(request: web.Request) -> str:
     """The client's ``x-request-id`` when it is usable, else a fresh one."""
     sent = request.headers.get(REQUEST_ID_HEADER)
@@ -151,6 +161,9 @@ class Exchange:
     # Why a stream under way ended before its replica finished it (``gateway.proxy``, CUT_*;
     # "client_gone" when its client left): the access line's ``cut`` and fleetgate_stream_cuts_total.
     cut: str | None = None
+    # Each time the stream was finished on another replica (``gateway.proxy``): where, why
+    # the one before stopped, and the tokens the client already had then.
+    continued: list[Continued] = field(default_factory=list)
     # W3C trace context, forwarded to the replica as its parent.
     trace: TraceContext | None = None
     # Stage and attempt times for OpenTelemetry spans (None: tracing off).
@@ -172,7 +185,11 @@ class Exchange:
         if self.usage:
             total = self.usage.get("total_tokens")
             if isinstance(total, int):
-                return total
+                # A continued stream also charges each continuation's prompt once: the
+                # original prompt again, plus the text the client already had.
+                prompt = self.usage.get("prompt_tokens")
+                again = prompt if isinstance(prompt, int) else 0
+                return total + sum(again + c.relayed_tokens for c in self.continued)
         if self.generated and self.parsed:
             return self.call.prompt_tokens_estimate + self.generated
         return None

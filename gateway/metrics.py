@@ -169,6 +169,14 @@ class GatewayMetrics(MetricSet):
             ["model", "reason"],
             registry=r,
         )
+        self.continuations = Counter(
+            "fleetgate_stream_continuations",
+            "Streams whose replica failed or drained after the first byte, finished on another replica "
+            "(one count per continuation), by why the first one stopped: chunk_gap, replica_down, "
+            "stall_timeout, upstream_closed, drain.",
+            ["model", "reason"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "fleetgate_client_disconnects",
             "Requests whose client left before the end.",

@@ -39,15 +39,16 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from enum import StrEnum
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 import orjson
 from aiohttp import web
 
+from dialects import continuation
 from dialects.stream import SseError, SseScanner
 from gateway.client_stream import end_with_error, prepare, with_keepalive
 from gateway.errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
-from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Exchange
+from gateway.exchange import REPLICA_HEADER, TIER_HEADER, Continued, Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.progress_timeout import DEADLINE, LIMIT, ProgressTimeout
 from gateway.settings import UpstreamSettings
@@ -80,6 +81,17 @@ CUT_UPSTREAM_CLOSED: Final = "upstream_closed"
 CUT_MALFORMED: Final = "malformed"
 # The client cancelled it (POST /v1/responses/{id}/cancel):
 CUT_CANCELLED: Final = "cancelled"
+# Not a cut: a drained replica's stream, moved to another replica (``Proxy.migrate``).
+MIGRATE_DRAIN: Final = "drain"
+# The cuts that are the replica's fault (counted against it).
+_REPLICA_FAULTS = frozenset({CUT_CHUNK_GAP, CUT_REPLICA_DOWN, CUT_STALL_TIMEOUT, CUT_UPSTREAM_CLOSED, CUT_MALFORMED})
+# What a continuation's replica is asked, to count the tokens of the text already relayed
+# (vLLM's, and the simulator's), and how long it may take before the count is estimated.
+TOKENIZE_PATH: Final = "/tokenize"
+TOKENIZE_TIMEOUT_S = 2.0
+# The most of a stream kept for its continuation: a stream longer than this is cut, as
+# before, when its replica fails.
+MAX_RELAYED_BYTES = 16 * 1024 * 1024
 # While a silent stream's replica is vouched alive, how often to ask again: a health round
 # (1 s by default), so a replica the probes take down cuts its silent streams within one.
 ALIVE_RECHECK_S = 1.0
@@ -132,6 +144,8 @@ class Proxy:
         # Model name -> its chunk gap (``gateway.settings.chunk_gaps``); others: the upstream's.
         self._chunk_gaps = dict(chunk_gaps or {})
         self._client: UpstreamClient | None = None
+        # Streams under way, by the id of the replica serving them (``migrate``).
+        self._legs: dict[str, set[_Leg]] = {}
 
     async def __aenter__(self) -> Proxy:
         self._client = UpstreamClient(
@@ -333,11 +347,11 @@ class Proxy:
                 return upstream
             await end_with_error(ex, ex.response, _refusal(ex, upstream))
             return ex.response
+        leg = _Leg(claim, upstream)
         try:
-            return await self._relay(ex, upstream, first, claim, request)
+            return await self._relay(ex, pick, leg, first, request)
         finally:
-            claim.release()
-            upstream.release()
+            self._close_leg(leg)
 
     async def _open(self, ex: Exchange, replica: Replica) -> tuple[UpstreamResponse | web.Response, bytes]:
         """Send the request and read the first chunk, within ``first_byte_timeout_s``."""
@@ -376,73 +390,41 @@ class Proxy:
             raise _attempt_failed(replica, exc, "sent nothing in time") from exc
 
     async def _relay(
-        self,
-        ex: Exchange,
-        upstream: UpstreamResponse,
-        first: bytes,
-        claim: Claim,
-        request: web.Request,
+        self, ex: Exchange, pick: Route, leg: _Leg, first: bytes, request: web.Request
     ) -> web.StreamResponse:
+        """Relay the stream to the client; when its replica fails (or drains) after the first
+        byte, finish it on another replica of the same model where the dialect can continue
+        it exactly (``_resume``), else end it with an error event."""
         response = ex.response or await prepare(ex, request)
         scanner = ex.call.dialect.scanner(ex.call)
+        # What the client was sent, as the replica sent it: what a continuation starts from.
+        relayed = _Relayed() if self.settings.max_continuations else None
         gaps = self.metrics.itl.new_gaps()
         clock = self.clock
         out, n = scanner.feed(first)
         now = clock()
-        ex.first_token_at = claim.replica.last_progress_at = now
-        claim.prefilled()
-        claim.generated(n)
-        last = now
-        announced = await self._write(ex, scanner, upstream, response, out, False)
-        loop = asyncio.get_running_loop()
-        replica = claim.replica
-        gap = self._chunk_gaps.get(replica.model, self.settings.chunk_gap_timeout_s)
-        limit = self.settings.stall_timeout_s
-        # The client's own deadline bounds the whole stream, not only its first token.
-        cut_at = math.inf
-        if ex.cut_at_deadline and ex.deadline is not None:
-            cut_at = loop.time() + (ex.deadline - clock())
+        ex.first_token_at = leg.claim.replica.last_progress_at = now
+        leg.claim.prefilled()
+        leg.claim.generated(n)
+        self._track(leg)
+        outbound = _Outbound(ex, scanner, leg, response, relayed)
+        await outbound.write(out)
         try:
-            async with ProgressTimeout(
-                gap, cut_at, alive=replica.alive, limit_s=limit, recheck_s=ALIVE_RECHECK_S
-            ) as deadline:
-                while not scanner.done:
-                    chunk = await upstream.readany()
-                    if not chunk:
-                        break
-                    deadline.progressed()
-                    out, n = scanner.feed(chunk)
-                    if n:
-                        now = claim.replica.last_progress_at = clock()
-                        gaps.add((now - last) / n, n)
-                        last = now
-                        claim.generated(n)
-                    announced = await self._write(ex, scanner, upstream, response, out, announced)
-        except TimeoutError:
-            if deadline.reason == DEADLINE:
-                ex.stop, ex.cut = "deadline", CUT_DEADLINE
-                cut = GatewayTimeout("The request's deadline passed; the stream was cut.", code="deadline_exceeded")
-                await end_with_error(ex, response, cut)
-            elif deadline.reason == LIMIT:
-                message = f"The replica sent nothing for {limit:g} s (upstream.stall_timeout_s); the stream was cut."
-                await self._broken(ex, response, message, CUT_STALL_TIMEOUT)
-            else:
-                why = CUT_CHUNK_GAP if replica.probe == "none" else CUT_REPLICA_DOWN
-                message = f"The replica sent nothing for {gap:g} s; the stream was cut."
-                await self._broken(ex, response, message, why)
-        except UpstreamError:
-            if ex.stop == "cancelled":  # the client's own cancel: no fault of the replica's
-                ex.cut = CUT_CANCELLED
-                await end_with_error(ex, response, GatewayError(CANCELLED, code="response_cancelled"))
-            else:
-                await self._broken(ex, response, "The replica's connection broke mid-stream.", CUT_UPSTREAM_CLOSED)
-        except SseError as exc:
-            await self._broken(ex, response, f"The replica's stream was cut: {exc}.", CUT_MALFORMED)
-        else:
-            if tail := scanner.finish():
-                await response.write(tail)
-            if not scanner.done:
-                await self._broken(ex, response, "The replica ended the stream early.", CUT_UPSTREAM_CLOSED)
+            first = b""
+            while True:
+                cut = await self._pump(ex, leg, scanner, outbound, gaps, first)
+                if cut is None:
+                    break
+                if cut.reason in _REPLICA_FAULTS:
+                    self._failed(leg.claim.replica, UpstreamFailure(Failure.STREAM, cut.message))
+                resumed = None
+                if cut.resumable and relayed is not None:
+                    resumed = await self._resume(ex, pick, leg, cut, relayed, request)
+                if resumed is None:
+                    await self._end(ex, leg, response, cut)
+                    break
+                scanner.drop_pending()  # the broken event was never sent: the continuation replaces it
+                first = resumed
         finally:
             ex.upstream_ended = clock()
             ex.usage = scanner.usage
@@ -451,56 +433,224 @@ class Proxy:
             self.metrics.itl.merge((ex.call.model,), gaps)
         return response
 
-    async def _write(
-        self,
-        ex: Exchange,
-        scanner: SseScanner,
-        upstream: UpstreamResponse,
-        response: web.StreamResponse,
-        out: bytes,
-        announced: bool,
-    ) -> bool:
-        """Send whole events on to the client through the exchange's taps: told the stream's
-        answer once its first event names it (``Tap.started``), given the whole answer
-        before its end goes out (``Tap.ending``, which may put an error event in its place),
-        and each block (``Tap.events``). Returns whether the start was announced."""
-        taps = ex.taps
-        if taps:
-            if not announced and scanner.started is not None:
-                announced = True
-                started = scanner.started
+    async def _pump(
+        self, ex: Exchange, leg: _Leg, scanner: SseScanner, outbound: _Outbound, gaps: Any, first: bytes
+    ) -> _Cut | None:
+        """Relay ``leg``'s stream (``first``: a chunk already read from it) until it ends:
+        None when it finished, else why it stopped."""
+        clock = self.clock
+        replica = leg.claim.replica
+        upstream = leg.upstream
+        splice = leg.splice
+        gap = self._chunk_gaps.get(replica.model, self.settings.chunk_gap_timeout_s)
+        limit = self.settings.stall_timeout_s
+        loop = asyncio.get_running_loop()
+        # The client's own deadline bounds the whole stream, not only its first token.
+        cut_at = math.inf
+        if ex.cut_at_deadline and ex.deadline is not None:
+            cut_at = loop.time() + (ex.deadline - clock())
+        last = clock()
+        try:
+            async with ProgressTimeout(
+                gap, cut_at, alive=replica.alive, limit_s=limit, recheck_s=ALIVE_RECHECK_S
+            ) as deadline:
+                while not scanner.done:
+                    if first:
+                        chunk, first = first, b""
+                    else:
+                        chunk = await upstream.readany()
+                        if not chunk:
+                            break
+                    deadline.progressed()
+                    if splice is not None:  # a continuation: framed, then fitted into the client's stream
+                        chunk = splice(chunk)
+                        if not chunk:
+                            continue
+                    out, n = scanner.feed(chunk)
+                    if n:
+                        now = replica.last_progress_at = clock()
+                        gaps.add((now - last) / n, n)
+                        last = now
+                        leg.claim.generated(n)
+                    await outbound.write(out)
+        except TimeoutError:
+            if deadline.reason == DEADLINE:
+                return _Cut(CUT_DEADLINE, "The request's deadline passed; the stream was cut.", resumable=False)
+            if deadline.reason == LIMIT:
+                message = f"The replica sent nothing for {limit:g} s (upstream.stall_timeout_s); the stream was cut."
+                return _Cut(CUT_STALL_TIMEOUT, message)
+            why = CUT_CHUNK_GAP if replica.probe == "none" else CUT_REPLICA_DOWN
+            return _Cut(why, f"The replica sent nothing for {gap:g} s; the stream was cut.")
+        except UpstreamError:
+            if ex.stop == "cancelled":  # the client's own cancel: no fault of the replica's
+                return _Cut(CUT_CANCELLED, CANCELLED, resumable=False)
+            if leg.migrating:
+                return _Cut(MIGRATE_DRAIN, "The replica was drained; the stream was cut.")
+            return _Cut(CUT_UPSTREAM_CLOSED, "The replica's connection broke mid-stream.")
+        except SseError as exc:
+            return _Cut(CUT_MALFORMED, f"The replica's stream was cut: {exc}.", resumable=False)
+        if splice is None and (tail := scanner.finish()):
+            await outbound.response.write(tail)
+        if not scanner.done:
+            return _Cut(CUT_UPSTREAM_CLOSED, "The replica ended the stream early.")
+        return None
 
-                def stop() -> None:
-                    _cancel(ex, upstream)
+    async def _resume(
+        self, ex: Exchange, pick: Route, leg: _Leg, cut: _Cut, relayed: _Relayed, request: web.Request
+    ) -> bytes | None:
+        """Finish the stream on another replica of the same model (the same adapter): the
+        dialect's continuation (``dialects.continuation``) of what the client already has,
+        within ``upstream.max_continuations``, the request's deadline and the retry budget.
+        On success ``leg`` is the new replica's and its first chunk is returned; None when
+        the stream cannot go on."""
+        old = leg.claim.replica
+        if relayed.full:
+            return None
+        sent = orjson.loads(ex.call.upstream_body(ex.adapter or old.served_model))
+        record = relayed.bytes()
+        while len(ex.continued) < self.settings.max_continuations:
+            plan = continuation.plan(ex.dialect.name, sent, record)
+            if plan is None:
+                return None
+            choice = pick.next_attempt(self.clock(), ex.tried, ex.attempts, ex.deadline)
+            if isinstance(choice, str) or choice.model != old.model:
+                return None  # none left, or only a fallback model: not the same answer
+            replica = choice
+            served = ex.adapter or replica.served_model
+            tokens = await self._count_tokens(ex, replica, served, plan.partial_text)
+            if tokens is not None:
+                plan = continuation.plan(ex.dialect.name, sent, record, tokens) or plan
+            ex.continued.append(Continued(replica.id, cut.reason, plan.relayed_tokens))
+            self.metrics.continuations.labels(ex.call.model, cut.reason).inc()
+            ex.attempts += 1
+            ex.tried.add(replica.id)
+            ex.replica = replica
+            if ex.timeline is not None:
+                ex.timeline.attempt(replica.id, replica.base_url, replica.served_model, self.clock())
+            claim = pick.claim(replica, streamed=True)
+            body = orjson.dumps({**plan.body, "model": served})
+            try:
+                upstream, first = await with_keepalive(
+                    ex,
+                    request,
+                    self._open_continuation(ex, replica, plan.path, body),
+                    self.settings.keepalive_interval_s,
+                )
+            except UpstreamFailure as failure:
+                claim.release()
+                self._failed(replica, failure)
+                continue
+            log.info(
+                "stream continued on another replica",
+                extra={"request_id": ex.request_id, "from": old.id, "to": replica.id, "reason": cut.reason},
+            )
+            self._close_leg(leg)
+            leg.claim, leg.upstream, leg.splice, leg.migrating = claim, upstream, _splicer(plan), False
+            claim.prefilled()
+            replica.last_progress_at = self.clock()
+            self._track(leg)
+            return first
+        return None
 
-                for tap in taps:
-                    tap.started(started, stop)
-            if scanner.done:
-                for tap in taps:
-                    refused = await tap.ending(scanner.final)
-                    if refused is not None:
-                        ex.error_code = refused.code
-                        out = ex.dialect.errors.event(refused.message, refused.code or "upstream_error", refused.type)
-                        break
-            for tap in taps:
-                out = tap.events(out)
-        if out:
-            await response.write(out)
-        return announced
+    async def _count_tokens(self, ex: Exchange, replica: Replica, served: str, text: str) -> int | None:
+        """How many tokens ``text`` is on ``replica`` (its ``/tokenize``), so the continuation
+        asks for exactly what is left; None when the replica cannot say in time."""
+        body = orjson.dumps({"model": served, "prompt": text, "add_special_tokens": False})
+        try:
+            status, _, answer, _ = await self.client.fetch(
+                "POST",
+                replica.base_url + TOKENIZE_PATH,
+                body,
+                {"Content-Type": "application/json", "X-Request-Id": ex.request_id, **replica.upstream_headers},
+                timeout_s=TOKENIZE_TIMEOUT_S,
+                max_bytes=self.settings.max_response_bytes,
+            )
+            count = orjson.loads(answer).get("count") if status == 200 else None
+        except (TimeoutError, UpstreamError, orjson.JSONDecodeError, AttributeError):
+            return None
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
 
-    async def _broken(self, ex: Exchange, response: web.StreamResponse, message: str, why: str) -> None:
-        """End a stream the replica failed (``why``: its CUT_* reason) with an error event."""
-        assert ex.replica is not None
-        self._failed(ex.replica, UpstreamFailure(Failure.STREAM, message))
+    async def _open_continuation(
+        self, ex: Exchange, replica: Replica, path: str, body: bytes
+    ) -> tuple[UpstreamResponse, bytes]:
+        """Send a continuation and read its first chunk within ``first_byte_timeout_s``; any
+        answer but a 200 stream is a failed attempt (the client's status is already sent)."""
+        resp: UpstreamResponse | None = None
+        headers = self._request_headers(ex, replica)
+        headers["Content-Type"] = "application/json"
+        try:
+            async with asyncio.timeout(self.settings.first_byte_timeout_s):
+                resp = await self.client.open("POST", replica.base_url + path, body, headers)
+                if resp.status != 200:
+                    status = resp.status
+                    resp.close()
+                    raise UpstreamFailure(Failure.STATUS, f"{replica.id} refused the continuation ({status})", status)
+                first = await resp.readany()
+                if not first:
+                    resp.release()
+                    raise UpstreamFailure(Failure.EOF, f"{replica.id} closed the continuation before any token")
+                return resp, first
+        except (TimeoutError, UpstreamError) as exc:
+            if resp is not None:
+                resp.close()
+            raise _attempt_failed(replica, exc, "sent nothing in time") from exc
+
+    async def _end(self, ex: Exchange, leg: _Leg, response: web.StreamResponse, cut: _Cut) -> None:
+        """End a stream that cannot go on with its API's error event."""
+        ex.cut = cut.reason
+        if cut.reason == CUT_DEADLINE:
+            ex.stop = "deadline"
+            err = GatewayTimeout(cut.message, code="deadline_exceeded")
+            await end_with_error(ex, response, err)
+            return
+        if cut.reason == CUT_CANCELLED:
+            await end_with_error(ex, response, GatewayError(CANCELLED, code="response_cancelled"))
+            return
+        replica = leg.claim.replica
         self.metrics.stream_errors.labels(ex.call.model).inc()
-        ex.cut = why
-        if why in (CUT_CHUNK_GAP, CUT_REPLICA_DOWN, CUT_STALL_TIMEOUT):
-            replica = ex.replica
+        if cut.reason in (CUT_CHUNK_GAP, CUT_REPLICA_DOWN, CUT_STALL_TIMEOUT):
             log.warning(
                 "silent stream cut",
-                extra={"request_id": ex.request_id, "replica": replica.id, "cut": why, "state": replica.state.value},
+                extra={
+                    "request_id": ex.request_id,
+                    "replica": replica.id,
+                    "cut": cut.reason,
+                    "state": replica.state.value,
+                },
             )
-        await end_with_error(ex, response, BadGateway(message, code="upstream_stream_error"))
+        await end_with_error(ex, response, BadGateway(cut.message, code="upstream_stream_error"))
+
+    # -- streams under way, by replica (migration on drain) ---------------------------------
+
+    def _track(self, leg: _Leg) -> None:
+        self._legs.setdefault(leg.claim.replica.id, set()).add(leg)
+
+    def _close_leg(self, leg: _Leg) -> None:
+        """Hand back what ``leg`` holds: its claim and its connection."""
+        legs = self._legs.get(leg.claim.replica.id)
+        if legs is not None:
+            legs.discard(leg)
+        leg.claim.release()
+        leg.upstream.release()
+
+    def migrate(self, replica: Replica) -> None:
+        """``replica`` is drained or leaves the fleet: its streams still running after
+        ``upstream.migrate_after_s`` are moved to other replicas (each one's connection is
+        closed, and its relay continues it elsewhere), instead of being waited for to their
+        end. A stream that cannot be continued is cut, as a failed replica's would be."""
+        if not self.settings.max_continuations:
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.settings.migrate_after_s, self._migrate_now, replica.id)
+
+    def _migrate_now(self, replica_id: str) -> None:
+        legs = list(self._legs.get(replica_id, ()))
+        for leg in legs:
+            leg.migrating = True
+            leg.upstream.fail(UpstreamError("the replica was drained"))
+            leg.upstream.close()
+        if legs:
+            log.info("streams moved off a drained replica", extra={"replica": replica_id, "streams": len(legs)})
 
 
 def _cancel(ex: Exchange, upstream: UpstreamResponse) -> None:
@@ -574,3 +724,113 @@ def _refusal(ex: Exchange, upstream: web.Response) -> GatewayError:
     body = upstream.body if isinstance(upstream.body, bytes) else b""
     message = ex.dialect.errors.message_of(body) or f"The replica refused the request ({upstream.status})."
     return BadGateway(message, code="upstream_client_error")
+
+
+class _Cut(NamedTuple):
+    """Why a stream under way stopped before its end: a CUT_* reason (or ``MIGRATE_DRAIN``),
+    the message of its error event, and whether another replica may finish it."""
+
+    reason: str
+    message: str
+    resumable: bool = True
+
+
+class _Leg:
+    """The part of a stream one replica serves: its claim, its connection, and (on a
+    continuation) what fits its events into the client's stream."""
+
+    __slots__ = ("claim", "migrating", "splice", "upstream")
+
+    def __init__(self, claim: Claim, upstream: UpstreamResponse) -> None:
+        self.claim = claim
+        self.upstream = upstream
+        self.splice: Callable[[bytes], bytes] | None = None
+        # Set when its replica drains: the connection is closed on purpose (``Proxy.migrate``).
+        self.migrating = False
+
+
+class _Relayed:
+    """The events the client was sent, as the replica sent them (bounded: past
+    ``MAX_RELAYED_BYTES`` the stream is no longer continued, and nothing more is kept)."""
+
+    __slots__ = ("_chunks", "_size", "full")
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.full = False
+
+    def add(self, out: bytes) -> None:
+        if self.full:
+            return
+        self._size += len(out)
+        if self._size > MAX_RELAYED_BYTES:
+            self.full = True
+            self._chunks.clear()
+            return
+        self._chunks.append(out)
+
+    def bytes(self) -> bytes:
+        return b"".join(self._chunks)
+
+
+class _Outbound:
+    """Whole events on their way to the client: kept for a continuation, shown to the
+    exchange's taps (told the stream's answer once its first event names it, given the
+    whole answer before its end goes out, each block), then written."""
+
+    __slots__ = ("_announced", "_ex", "_relayed", "_scanner", "leg", "response")
+
+    def __init__(
+        self,
+        ex: Exchange,
+        scanner: SseScanner,
+        leg: _Leg,
+        response: web.StreamResponse,
+        relayed: _Relayed | None,
+    ) -> None:
+        self._ex = ex
+        self._scanner = scanner
+        self.leg = leg
+        self.response = response
+        self._relayed = relayed
+        self._announced = False
+
+    async def write(self, out: bytes) -> None:
+        ex, scanner = self._ex, self._scanner
+        if self._relayed is not None and out:
+            self._relayed.add(out)
+        taps = ex.taps
+        if taps:
+            if not self._announced and scanner.started is not None:
+                self._announced = True
+                started, leg = scanner.started, self.leg
+
+                def stop() -> None:
+                    _cancel(ex, leg.upstream)  # the leg's connection at the time of the cancel
+
+                for tap in taps:
+                    tap.started(started, stop)
+            if scanner.done:
+                for tap in taps:
+                    refused = await tap.ending(scanner.final)
+                    if refused is not None:
+                        ex.error_code = refused.code
+                        out = ex.dialect.errors.event(refused.message, refused.code or "upstream_error", refused.type)
+                        break
+            for tap in taps:
+                out = tap.events(out)
+        if out:
+            await self.response.write(out)
+
+
+def _splicer(plan: continuation.Continuation) -> Callable[[bytes], bytes]:
+    """What fits a continuation's raw chunks into the client's stream: cut into whole events
+    (any API's), then rewritten by the plan's splice."""
+    framing = SseScanner(drop_usage=False)
+
+    def splice(chunk: bytes) -> bytes:
+        block, _ = framing.feed(chunk)
+        return plan.splice(block) if block else b""
+
+    return splice

@@ -139,6 +139,12 @@ class UpstreamSettings(_Frozen):
     keepalive_interval_s: float = Field(10.0, gt=0)
     # Tries per request across replicas (1 = no retry); only before a byte reached the client.
     max_attempts: int = Field(3, ge=1, le=10)
+    # A stream whose replica fails after its first byte is finished on another replica of
+    # the same model, at most this many times (0: cut it with an error event, as before).
+    max_continuations: int = Field(2, ge=0, le=10)
+    # A drained or removed replica's streams still running this long after the drain are
+    # moved to another replica (continued there), instead of being waited for to their end.
+    migrate_after_s: float = Field(2.0, ge=0)
     # A LoRA adapter's load on a replica (POST /v1/load_lora_adapter, gateway.lora).
     adapter_load_timeout_s: float = Field(60.0, gt=0)
     pool_size: int = Field(1024, ge=1)

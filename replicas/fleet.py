@@ -101,9 +101,12 @@ class Fleet:
         clock: Callable[[], float] = time.monotonic,
         environ: Mapping[str, str] | None = None,
         on_down: Callable[[Replica], None] | None = None,
+        on_removed: Callable[[Replica], None] | None = None,
     ) -> None:
         self._health_settings = health
         self._on_down = on_down
+        # Told of each replica discovery removed: its streams under way move elsewhere.
+        self._on_removed = on_removed
         self._environ = os.environ if environ is None else environ
         self._log_dir = log_dir
         self._policy = restart
@@ -193,7 +196,8 @@ class Fleet:
         the replicas this source added (a model may also have static or other discovered
         replicas). New replicas start as ``starting`` and join the rotation after their
         first good probe. Removed replicas leave the rotation at once; requests already
-        on them finish (their claims hold the replica).
+        on them finish (their claims hold the replica), or, for streams still running after
+        a short grace, are continued on another replica (``on_removed``).
         """
         self._listed.add(source)
         current = self.by_model[model]
@@ -204,6 +208,10 @@ class Fleet:
         if not added and not removed:
             return [], []
         keep = [r for r in current if r.id not in removed]
+        if self._on_removed is not None:
+            for replica in current:
+                if replica.id in removed:
+                    self._on_removed(replica)
         settings = self._models[model]
         up = self._discovered_as[source]
         for rid in added:

@@ -332,8 +332,10 @@ def test_a_replica_killed_before_its_first_byte_is_retried_on_another(tmp_path: 
 
 
 def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_event(tmp_path: Path) -> None:
+    """With continuations off (``upstream.max_continuations: 0``), as every stream whose
+    replica dies is when no other replica can finish it."""
     with sim_process("--tokens-per-s", "10") as a, sim_process("--tokens-per-s", "10") as b:
-        with gateway_process(external(a, b), tmp_path) as gw:
+        with gateway_process(external(a, b, max_continuations=0), tmp_path) as gw:
             victim = a.pid
 
             def stream(i: int) -> list[str]:
@@ -359,6 +361,43 @@ def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_event(tmp_pa
             for _ in range(6):
                 reply = httpx.post(f"{gw.url}/v1/chat/completions", json=chat(2), headers=AUTH, timeout=30)
                 assert reply.status_code == 200
+            assert error_lines(gw) == []
+
+
+def test_streams_on_a_replica_killed_mid_stream_are_finished_on_the_other(tmp_path: Path) -> None:
+    """Two simulator processes, four streams; one process is SIGKILLed mid-stream: every
+    stream ends with its [DONE] and no error event, those of the killed replica finished by
+    the other (``continued`` in their access lines), and the output is counted once."""
+    with sim_process("--tokens-per-s", "10") as a, sim_process("--tokens-per-s", "10") as b:
+        with gateway_process(external(a, b), tmp_path) as gw:
+
+            def stream(i: int) -> tuple[list[str], dict[str, Any]]:
+                events = []
+                body = chat(30, stream=True, ignore_eos=True, stream_options={"include_usage": True})
+                body["messages"][0]["content"] = f"hi {i}"
+                with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                usage = orjson.loads(events[-2])["usage"]
+                return events, usage
+
+            with ThreadPoolExecutor(4) as pool:
+                streams = [pool.submit(stream, i) for i in range(4)]
+                time.sleep(1.0)
+                os.kill(a.pid, signal.SIGKILL)
+                results = [s.result() for s in streams]
+            for events, usage in results:
+                assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
+                assert not any('"error"' in e for e in events)
+                assert usage["completion_tokens"] == 30, usage
+            lines = access_lines(gw)
+            moved = [line for line in lines if line.get("continued")]
+            assert 0 < len(moved) < 4, lines
+            assert all(line["continued"][0]["reason"] == "upstream_closed" for line in moved)
+            assert all("cut" not in line for line in lines)
+            assert completion_tokens_charged(gw) == 4 * 30
             assert error_lines(gw) == []
 
 

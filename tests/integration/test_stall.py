@@ -40,7 +40,7 @@ STALL_AFTER_S = 1.5
 TOKENS_PER_S = 20
 
 
-def config(*sims: Sim, **health: Any) -> dict[str, Any]:
+def config(*sims: Sim, continuations: int = 2, **health: Any) -> dict[str, Any]:
     return {
         "models": [
             {
@@ -51,7 +51,7 @@ def config(*sims: Sim, **health: Any) -> dict[str, Any]:
         ],
         "routing": {"policy": "round_robin"},  # streams alternate: half of them on m-0
         "health": {"interval_s": 0.2, "timeout_s": 0.5, "stall_after_s": STALL_AFTER_S, **health},
-        "upstream": {"stall_timeout_s": 60},
+        "upstream": {"stall_timeout_s": 60, "max_continuations": continuations},
         "admin_api_keys": [f"sha256:{hash_key(ADMIN_KEY)}"],
     }
 
@@ -159,10 +159,11 @@ def test_streams_on_a_frozen_replica_finish_whole_after_it_resumes(tmp_path: Pat
 
 
 def test_streams_on_a_killed_replica_are_cut_with_their_reason(tmp_path: Path) -> None:
-    """A replica SIGKILLed mid-stream: its streams end at once with an OpenAI-style error
-    event, each counted and logged as ``upstream_closed``; the other replica's finish."""
+    """A replica SIGKILLed mid-stream, with continuations off (as a stream nothing can
+    finish elsewhere): its streams end at once with an OpenAI-style error event, each
+    counted and logged as ``upstream_closed``; the other replica's finish."""
     with sim_process("--tokens-per-s", str(TOKENS_PER_S)) as a, sim_process("--tokens-per-s", str(TOKENS_PER_S)) as b:
-        with gateway_process(config(a, b), tmp_path) as gw, ThreadPoolExecutor(4) as pool:
+        with gateway_process(config(a, b, continuations=0), tmp_path) as gw, ThreadPoolExecutor(4) as pool:
             streams = start_streams(pool, gw, 4, 3 * TOKENS_PER_S)
             time.sleep(1.0)
             os.kill(a.pid, signal.SIGKILL)
@@ -182,10 +183,11 @@ def test_streams_on_a_killed_replica_are_cut_with_their_reason(tmp_path: Path) -
 def test_streams_on_a_hung_replica_are_cut_once_its_probes_take_it_down(tmp_path: Path) -> None:
     """A replica SIGSTOPped mid-stream keeps its connections open and answers nothing,
     /health included: its probes take it down within seconds, and its silent streams are
-    then cut past the chunk gap as ``replica_down``, long before ``stall_timeout_s``."""
+    then cut past the chunk gap as ``replica_down``, long before ``stall_timeout_s``
+    (continuations off: ``test_streams_on_a_hung_replica_are_finished_on_the_other`` has them on)."""
     health = {"timeout_s": 0.3, "failures_to_down": 2, "progress_window_s": 1.0}
     with sim_process("--tokens-per-s", str(TOKENS_PER_S)) as a, sim_process("--tokens-per-s", str(TOKENS_PER_S)) as b:
-        with gateway_process(config(a, b, **health), tmp_path) as gw, ThreadPoolExecutor(4) as pool:
+        with gateway_process(config(a, b, continuations=0, **health), tmp_path) as gw, ThreadPoolExecutor(4) as pool:
             streams = start_streams(pool, gw, 4, 5 * TOKENS_PER_S)
             time.sleep(1.0)
             stopped = time.monotonic()
@@ -202,3 +204,28 @@ def test_streams_on_a_hung_replica_are_cut_once_its_probes_take_it_down(tmp_path
             assert took < 15, took  # the probes' verdict, not stall_timeout_s (60 s here)
             assert metric(gw, "fleetgate_stream_cuts_total", reason="replica_down") == 2
             assert {line.get("cut") for line in access_lines(gw) if line.get("replica") == "m-0"} == {"replica_down"}
+
+
+def test_streams_on_a_hung_replica_are_finished_on_the_other(tmp_path: Path) -> None:
+    """The same hang with continuations on: once the probes take the stopped replica down
+    and its streams fall silent past the chunk gap, each is finished on the other replica,
+    with no error event and no cut, well before ``stall_timeout_s``."""
+    health = {"timeout_s": 0.3, "failures_to_down": 2, "progress_window_s": 1.0}
+    with sim_process("--tokens-per-s", str(TOKENS_PER_S)) as a, sim_process("--tokens-per-s", str(TOKENS_PER_S)) as b:
+        with gateway_process(config(a, b, **health), tmp_path) as gw, ThreadPoolExecutor(4) as pool:
+            streams = start_streams(pool, gw, 4, 5 * TOKENS_PER_S)
+            time.sleep(1.0)
+            stopped = time.monotonic()
+            os.kill(a.pid, signal.SIGSTOP)
+            try:
+                seen = [s.result(timeout=30) for s in streams]
+            finally:
+                os.kill(a.pid, signal.SIGCONT)
+            assert all(s.finished and s.error is None for s in seen), [s.error for s in seen]
+            moved = [line for line in access_lines(gw) if line.get("continued")]
+            assert len(moved) == 2, access_lines(gw)
+            assert {line["continued"][0]["reason"] for line in moved} == {"replica_down"}
+            assert all(line["continued"][0]["replica"] == "m-1" for line in moved)
+            assert metric(gw, "fleetgate_stream_cuts_total", reason="replica_down") == 0
+            took = max(s.events[-1][0] for s in seen) - stopped
+            assert took < 20, took

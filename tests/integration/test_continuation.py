@@ -1,0 +1,153 @@
+"""A stream whose replica fails, or drains, after its first byte is finished on another
+replica of the same model: the client sees one stream (one id, one end, no error event),
+the access line says where it was continued and why, and usage counts the output once.
+
+The failing replica is scripted (``FaultyUpstream`` "drop": two token events, then the
+connection cut); the replica that takes over is the simulator, in process. Real vLLM
+replicas, killed and stopped, are the end-to-end tests' and ``bench/continuation_failover.py``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.settings import hash_key
+from tests.integration.harness import (
+    API_KEY,
+    FaultyUpstream,
+    access_lines,
+    in_process_gateway,
+    serve_app,
+    sim_upstream,
+)
+
+MODEL = "m"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN_KEY = "sk-admin-continue"
+
+
+def chat(max_tokens: int = 24, content: str = "tell me", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def events(raw: bytes) -> list[Any]:
+    out: list[Any] = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            payload = block[len(b"data: ") :]
+            out.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+    return out
+
+
+async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[str, list[Any]]:
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers=AUTH) as r:
+        assert r.status == 200
+        assert "x-fleetgate-replica" in r.headers, dict(r.headers)
+        return r.headers["x-fleetgate-replica"], events(await r.read())
+
+
+def one_stream(got: list[Any]) -> str:
+    """The text of a well-formed chat stream; fails on an error event, a missing or second
+    end, several ids."""
+    assert got[-1] == "[DONE]" and got.count("[DONE]") == 1, got
+    chunks = [c for c in got if c != "[DONE]"]
+    assert not any("error" in c for c in chunks), chunks
+    assert len({c["id"] for c in chunks}) == 1, {c["id"] for c in chunks}
+    finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
+    assert len(finishes) == 1, finishes
+    return "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+
+
+async def test_a_stream_cut_mid_way_is_finished_on_another_replica(tmp_path: Path) -> None:
+    faulty = FaultyUpstream(MODEL, "drop")
+    async with serve_app(faulty.app()) as a, sim_upstream(MODEL) as b:
+        config = {
+            "models": [{"name": MODEL, "replicas": [{"url": a}, {"url": b}]}],
+            "routing": {"policy": "round_robin"},
+        }
+        async with in_process_gateway(config, tmp_path) as (url, gateway, access), aiohttp.ClientSession() as http:
+            asked = [chat(content=f"tell me {i}", stream_options={"include_usage": True}) for i in range(4)]
+            results = [await stream(http, url, body) for body in asked]
+            gateway.access_log.flush()
+            lines = access_lines(access)
+            metrics = gateway.metrics
+    continued = 0
+    for (replica, got), line in zip(results, lines, strict=True):
+        text = one_stream(got)
+        usage = got[-2]["usage"]
+        assert usage["completion_tokens"] > 2 and line["status"] == 200 and "error" not in line
+        if replica == "m-0":  # the faulty one: its two tokens, then the simulator's
+            continued += 1
+            assert text.startswith("one two"), text
+            assert line["continued"] == [{"replica": "m-1", "reason": "upstream_closed"}]
+            assert line["replica"] == "m-1"
+            assert got[0]["id"] == "x"  # the first replica's id, kept by the continuation
+        else:
+            assert "continued" not in line
+    assert continued >= 1
+    sample = metrics.registry.get_sample_value
+    assert sample("fleetgate_stream_continuations_total", {"model": MODEL, "reason": "upstream_closed"}) == continued
+    assert sample("fleetgate_stream_cuts_total", {"model": MODEL, "reason": "upstream_closed"}) is None
+    # The output is counted once: what the clients were told they received.
+    told = sum(got[-2]["usage"]["completion_tokens"] for _, got in results)
+    assert sample("fleetgate_tokens_total", {"tenant": "t1", "model": MODEL, "direction": "completion"}) == told
+
+
+async def test_without_continuations_the_stream_is_cut_as_before(tmp_path: Path) -> None:
+    faulty = FaultyUpstream(MODEL, "drop")
+    async with serve_app(faulty.app()) as a, sim_upstream(MODEL) as b:
+        config = {
+            "models": [{"name": MODEL, "replicas": [{"url": a}, {"url": b}]}],
+            "routing": {"policy": "round_robin"},
+            "upstream": {"max_continuations": 0},
+        }
+        async with in_process_gateway(config, tmp_path) as (url, gateway, access), aiohttp.ClientSession() as http:
+            results = [await stream(http, url, chat(content=f"cut {i}")) for i in range(2)]
+            gateway.access_log.flush()
+            lines = access_lines(access)
+    (cut,) = [(got, line) for (replica, got), line in zip(results, lines, strict=True) if replica == "m-0"]
+    got, line = cut
+    assert any("error" in c for c in got if c != "[DONE]")
+    assert line["cut"] == "upstream_closed" and "continued" not in line
+
+
+async def test_a_drained_replicas_streams_move_to_another(tmp_path: Path) -> None:
+    """A stream far from its end when its replica is drained finishes elsewhere, soon after
+    ``upstream.migrate_after_s``, instead of holding the drain for its whole length."""
+    async with sim_upstream(MODEL, tokens_per_s=40) as a, sim_upstream(MODEL, tokens_per_s=40) as b:
+        config = {
+            "models": [{"name": MODEL, "replicas": [{"url": a}, {"url": b}]}],
+            "admin_api_keys": ["sha256:" + hash_key(ADMIN_KEY)],
+            "upstream": {"migrate_after_s": 0.2},
+        }
+        async with in_process_gateway(config, tmp_path) as (url, gateway, access), aiohttp.ClientSession() as http:
+            body = chat(max_tokens=400, ignore_eos=True)  # 10 s at 40 tokens/s
+            async with http.post(f"{url}/v1/chat/completions", json=body, headers=AUTH) as r:
+                first = r.headers["x-fleetgate-replica"]
+                head = await r.content.readuntil(b"\n\n")
+                assert head.startswith(b"data: ")
+                started = asyncio.get_running_loop().time()
+                admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+                async with http.post(f"{url}/admin/replicas/{first}/drain", headers=admin) as d:
+                    assert d.status == 200
+                got = events(head + await r.read())
+                took = asyncio.get_running_loop().time() - started
+            gateway.access_log.flush()
+            (line,) = [x for x in access_lines(access) if x["path"] == "/v1/chat/completions"]
+    text = one_stream(got)
+    assert text
+    other = "m-1" if first == "m-0" else "m-0"
+    assert line["continued"] == [{"replica": other, "reason": "drain"}], line
+    assert took < 20, took
