@@ -80,8 +80,15 @@ async def test_a_stream_cut_mid_way_is_finished_on_another_replica(tmp_path: Pat
         async with in_process_gateway(config, tmp_path) as (url, gateway, access), aiohttp.ClientSession() as http:
             asked = [chat(content=f"tell me {i}", stream_options={"include_usage": True}) for i in range(4)]
             results = [await stream(http, url, body) for body in asked]
+            # The exact cache kept a continued stream's whole stitched answer.
+            index = next(i for i, (replica, _) in enumerate(results) if replica == "m-0")
+            async with http.post(f"{url}/v1/chat/completions", json=asked[index], headers=AUTH) as r:
+                assert r.headers["x-fleetgate-cache"] == "exact"
+                again = events(await r.read())
+                replayed = one_stream(again)
+            assert replayed == one_stream(results[index][1])
             gateway.access_log.flush()
-            lines = access_lines(access)
+            lines = access_lines(access)[: len(results)]
             metrics = gateway.metrics
     continued = 0
     for (replica, got), line in zip(results, lines, strict=True):
@@ -101,7 +108,7 @@ async def test_a_stream_cut_mid_way_is_finished_on_another_replica(tmp_path: Pat
     assert sample("fleetgate_stream_continuations_total", {"model": MODEL, "reason": "upstream_closed"}) == continued
     assert sample("fleetgate_stream_cuts_total", {"model": MODEL, "reason": "upstream_closed"}) is None
     # The output is counted once: what the clients were told they received.
-    told = sum(got[-2]["usage"]["completion_tokens"] for _, got in results)
+    told = sum(got[-2]["usage"]["completion_tokens"] for _, got in results) + again[-2]["usage"]["completion_tokens"]
     assert sample("fleetgate_tokens_total", {"tenant": "t1", "model": MODEL, "direction": "completion"}) == told
 
 
