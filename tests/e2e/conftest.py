@@ -187,7 +187,10 @@ def gateway_config(replicas: list[dict[str, Any]]) -> dict[str, Any]:
         # included) were seen to get no CPU for up to 6 s. Timeouts that count the gateway's
         # own wait would fail healthy replicas, so they are generous here; a dead replica
         # refuses connections, which fails a probe or a request at once whatever the timeout.
-        "upstream": {"connect_timeout_s": 15.0},
+        # The fleet test kills a replica to see its streams end with an error event: the path
+        # every stream takes that no other replica can finish. Finishing them on the other
+        # replica is measured on its own fleet (bench/continuation_failover.py).
+        "upstream": {"connect_timeout_s": 15.0, "max_continuations": 0},
         "health": {
             "interval_s": 0.5,
             "timeout_s": 15.0,
