@@ -36,6 +36,9 @@ from dialects.stream import SseScanner, TypedEventScanner
 
 ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
+# The roles a message may have.
+_ROLES = ("user", "assistant", "system")
+
 
 class Messages(Dialect):
     name, path, operation, prompt_param = "messages", "/v1/messages", "chat", "messages"
@@ -72,8 +75,12 @@ class Messages(Dialect):
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise InvalidBody(f"'messages[{i}]' must be an object.", param=f"messages[{i}]")
-            if message.get("role") not in ("user", "assistant"):
-                raise InvalidBody(f"'messages[{i}].role' must be 'user' or 'assistant'.", param=f"messages[{i}].role")
+            # "system": Anthropic's mid-conversation system messages (Claude Code sends them;
+            # vLLM's /v1/messages takes them).
+            if message.get("role") not in _ROLES:
+                raise InvalidBody(
+                    f"'messages[{i}].role' must be 'user', 'assistant' or 'system'.", param=f"messages[{i}].role"
+                )
             content = message.get("content")
             if not isinstance(content, str | list):
                 raise InvalidBody(

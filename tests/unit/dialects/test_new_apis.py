@@ -117,8 +117,23 @@ def test_messages_body_prompt_and_headers() -> None:
         MESSAGES.parse(b'{"model":"m","messages":[{"role":"user","content":"x"}]}')
     assert missing.value.param == "max_tokens"
     with pytest.raises(InvalidBody) as role:
-        MESSAGES.parse(b'{"model":"m","max_tokens":1,"messages":[{"role":"system","content":"x"}]}')
+        MESSAGES.parse(b'{"model":"m","max_tokens":1,"messages":[{"role":"tool","content":"x"}]}')
     assert role.value.param == "messages[0].role"
+    # A mid-conversation system message and adaptive thinking, as Claude Code 2.1 sends them
+    # (vLLM's /v1/messages takes both): parsed, not refused.
+    claude_code = {
+        "model": "m",
+        "max_tokens": 32000,
+        "thinking": {"type": "adaptive"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "messages": [
+            {"role": "user", "content": "Fix the bug."},
+            {"role": "system", "content": [{"type": "text", "text": "The user is in plan mode."}]},
+        ],
+    }
+    parsed = MESSAGES.parse(orjson.dumps(claude_code))
+    assert parsed.prompt.segments[-1] == f"system{ROLE_END}The user is in plan mode.{TURN_END}"
     # count_tokens takes the same body without max_tokens, and charges nothing.
     counted = COUNT_TOKENS.parse(b'{"model":"m","messages":[{"role":"user","content":"x"}]}')
     assert counted.max_tokens is None and COUNT_TOKENS.usage({"input_tokens": 5}) is None
