@@ -62,9 +62,10 @@ def proxy(settings: Settings, metrics: GatewayMetrics, clock: Callable[[], float
 
 def fleet(settings: Settings, proxy: Proxy, log_dir: Path, clock: Callable[[], float]) -> Fleet:
     """The replicas of every model; one a health check takes down has its waiting requests
-    moved elsewhere at once (``Proxy.abandon``)."""
+    moved elsewhere at once (``Proxy.abandon``), one discovery removes its streams
+    (``Proxy.migrate``, among the replicas of its model)."""
     try:
-        return Fleet(
+        built = Fleet(
             settings.models,
             settings.health,
             restart=settings.restart,
@@ -75,6 +76,8 @@ def fleet(settings: Settings, proxy: Proxy, log_dir: Path, clock: Callable[[], f
         )
     except CredentialError as exc:
         raise ConfigError(str(exc)) from None
+    proxy.bind_fleet(lambda replica: built.by_model.get(replica.model, ()))
+    return built
 
 
 def response_cache(settings: Settings, metrics: GatewayMetrics, security: RedisSecurity) -> ResponseCache:

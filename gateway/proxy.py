@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Final, NamedTuple, TypeVar
 
@@ -85,10 +86,6 @@ CUT_CANCELLED: Final = "cancelled"
 MIGRATE_DRAIN: Final = "drain"
 # The cuts that are the replica's fault (counted against it).
 _REPLICA_FAULTS = frozenset({CUT_CHUNK_GAP, CUT_REPLICA_DOWN, CUT_STALL_TIMEOUT, CUT_UPSTREAM_CLOSED, CUT_MALFORMED})
-# What a continuation's replica is asked, to count the tokens of the text already relayed
-# (vLLM's, and the simulator's), and how long it may take before the count is estimated.
-TOKENIZE_PATH: Final = "/tokenize"
-TOKENIZE_TIMEOUT_S = 2.0
 # The most of a stream kept for its continuation: a stream longer than this is cut, as
 # before, when its replica fails.
 MAX_RELAYED_BYTES = 16 * 1024 * 1024
@@ -146,6 +143,8 @@ class Proxy:
         self._client: UpstreamClient | None = None
         # Streams under way, by the id of the replica serving them (``migrate``).
         self._legs: dict[str, set[_Leg]] = {}
+        # The replicas of a replica's model (``bind_fleet``): where its streams could move.
+        self._peers: Callable[[Replica], Sequence[Replica]] = lambda replica: ()
 
     async def __aenter__(self) -> Proxy:
         self._client = UpstreamClient(
@@ -408,6 +407,8 @@ class Proxy:
         leg.claim.generated(n)
         self._track(leg)
         outbound = _Outbound(ex, scanner, leg, response, relayed)
+        if relayed is not None:
+            leg.plan = functools.partial(self._plan, ex, leg.claim.replica.served_model, relayed)
         await outbound.write(out)
         try:
             first = b""
@@ -418,8 +419,8 @@ class Proxy:
                 if cut.reason in _REPLICA_FAULTS:
                     self._failed(leg.claim.replica, UpstreamFailure(Failure.STREAM, cut.message))
                 resumed = None
-                if cut.resumable and relayed is not None:
-                    resumed = await self._resume(ex, pick, leg, cut, relayed, request)
+                if cut.resumable:
+                    resumed = await self._resume(ex, pick, leg, cut, request)
                 if resumed is None:
                     await self._end(ex, leg, response, cut)
                     break
@@ -495,31 +496,39 @@ class Proxy:
             return _Cut(CUT_UPSTREAM_CLOSED, "The replica ended the stream early.")
         return None
 
-    async def _resume(
-        self, ex: Exchange, pick: Route, leg: _Leg, cut: _Cut, relayed: _Relayed, request: web.Request
-    ) -> bytes | None:
+    def _plan(self, ex: Exchange, served: str, relayed: _Relayed) -> continuation.Continuation | None:
+        """The continuation of ``ex``'s stream from what the client has been sent (pure)."""
+        if relayed.full or len(ex.continued) >= self.settings.max_continuations:
+            return None
+        sent = orjson.loads(ex.call.upstream_body(ex.adapter or served))
+        return continuation.plan(ex.dialect.name, sent, relayed.bytes())
+
+    async def _resume(self, ex: Exchange, pick: Route, leg: _Leg, cut: _Cut, request: web.Request) -> bytes | None:
         """Finish the stream on another replica of the same model (the same adapter): the
         dialect's continuation (``dialects.continuation``) of what the client already has,
-        within ``upstream.max_continuations``, the request's deadline and the retry budget.
-        On success ``leg`` is the new replica's and its first chunk is returned; None when
-        the stream cannot go on."""
+        within ``upstream.max_continuations`` and the request's deadline, and, for a
+        replica's failure, the pool's retry budget (a drain is planned, not a failure: it
+        spends none). On success ``leg`` is the new replica's and its first chunk is
+        returned; None when the stream cannot go on.
+
+        The tokens the client already has are the relayed token events (exact where the
+        stream carries token ids or running usage): never more than were generated, so the
+        continuation never ends short of the uninterrupted answer's length, and the usage
+        the client is told never exceeds its token limit. (Counting them by re-tokenising
+        the partial text overcounts wherever it re-tokenises differently.)"""
         old = leg.claim.replica
-        if relayed.full:
-            return None
-        sent = orjson.loads(ex.call.upstream_body(ex.adapter or old.served_model))
-        record = relayed.bytes()
-        while len(ex.continued) < self.settings.max_continuations:
-            plan = continuation.plan(ex.dialect.name, sent, record)
-            if plan is None:
+        plan = leg.plan()
+        while plan is not None and len(ex.continued) < self.settings.max_continuations:
+            now = self.clock()
+            if ex.deadline is not None and now >= ex.deadline:
                 return None
-            choice = pick.next_attempt(self.clock(), ex.tried, ex.attempts, ex.deadline)
+            # A drain's continuation counts as a first attempt: no retry budget is spent.
+            attempts = 0 if cut.reason == MIGRATE_DRAIN else ex.attempts
+            choice = pick.next_attempt(now, ex.tried, attempts, ex.deadline)
             if isinstance(choice, str) or choice.model != old.model:
                 return None  # none left, or only a fallback model: not the same answer
             replica = choice
             served = ex.adapter or replica.served_model
-            tokens = await self._count_tokens(ex, replica, served, plan.partial_text)
-            if tokens is not None:
-                plan = continuation.plan(ex.dialect.name, sent, record, tokens) or plan
             ex.continued.append(Continued(replica.id, cut.reason, plan.relayed_tokens))
             self.metrics.continuations.labels(ex.call.model, cut.reason).inc()
             ex.attempts += 1
@@ -551,24 +560,6 @@ class Proxy:
             self._track(leg)
             return first
         return None
-
-    async def _count_tokens(self, ex: Exchange, replica: Replica, served: str, text: str) -> int | None:
-        """How many tokens ``text`` is on ``replica`` (its ``/tokenize``), so the continuation
-        asks for exactly what is left; None when the replica cannot say in time."""
-        body = orjson.dumps({"model": served, "prompt": text, "add_special_tokens": False})
-        try:
-            status, _, answer, _ = await self.client.fetch(
-                "POST",
-                replica.base_url + TOKENIZE_PATH,
-                body,
-                {"Content-Type": "application/json", "X-Request-Id": ex.request_id, **replica.upstream_headers},
-                timeout_s=TOKENIZE_TIMEOUT_S,
-                max_bytes=self.settings.max_response_bytes,
-            )
-            count = orjson.loads(answer).get("count") if status == 200 else None
-        except (TimeoutError, UpstreamError, orjson.JSONDecodeError, AttributeError):
-            return None
-        return count if isinstance(count, int) and not isinstance(count, bool) else None
 
     async def _open_continuation(
         self, ex: Exchange, replica: Replica, path: str, body: bytes
@@ -633,6 +624,10 @@ class Proxy:
         leg.claim.release()
         leg.upstream.release()
 
+    def bind_fleet(self, peers: Callable[[Replica], Sequence[Replica]]) -> None:
+        """Where a drained replica's streams could move: the replicas of its model."""
+        self._peers = peers
+
     def migrate(self, replica: Replica) -> None:
         """``replica`` is drained or leaves the fleet: its streams still running after
         ``upstream.migrate_after_s`` are moved to other replicas (each one's connection is
@@ -641,16 +636,27 @@ class Proxy:
         if not self.settings.max_continuations:
             return
         loop = asyncio.get_running_loop()
-        loop.call_later(self.settings.migrate_after_s, self._migrate_now, replica.id)
+        loop.call_later(self.settings.migrate_after_s, self._migrate_now, replica)
 
-    def _migrate_now(self, replica_id: str) -> None:
-        legs = list(self._legs.get(replica_id, ()))
-        for leg in legs:
+    def _migrate_now(self, replica: Replica) -> None:
+        """Close the connections of ``replica``'s streams that another replica can finish:
+        each relay continues its stream there. The others (nothing can take them, or they
+        cannot be continued) are left to finish where they are."""
+        now = self.clock()
+        peers = self._peers(replica)
+        if not any(peer is not replica and peer.routable(now) for peer in peers):
+            log.info("a drained replica's streams stay: no other replica can take them", extra={"replica": replica.id})
+            return
+        moved = 0
+        for leg in list(self._legs.get(replica.id, ())):
+            if leg.plan() is None:
+                continue
+            moved += 1
             leg.migrating = True
             leg.upstream.fail(UpstreamError("the replica was drained"))
             leg.upstream.close()
-        if legs:
-            log.info("streams moved off a drained replica", extra={"replica": replica_id, "streams": len(legs)})
+        if moved:
+            log.info("streams moved off a drained replica", extra={"replica": replica.id, "streams": moved})
 
 
 def _cancel(ex: Exchange, upstream: UpstreamResponse) -> None:
@@ -739,7 +745,7 @@ class _Leg:
     """The part of a stream one replica serves: its claim, its connection, and (on a
     continuation) what fits its events into the client's stream."""
 
-    __slots__ = ("claim", "migrating", "splice", "upstream")
+    __slots__ = ("claim", "migrating", "plan", "splice", "upstream")
 
     def __init__(self, claim: Claim, upstream: UpstreamResponse) -> None:
         self.claim = claim
@@ -747,6 +753,8 @@ class _Leg:
         self.splice: Callable[[bytes], bytes] | None = None
         # Set when its replica drains: the connection is closed on purpose (``Proxy.migrate``).
         self.migrating = False
+        # The stream's continuation from what the client has now (None: it has none).
+        self.plan: Callable[[], continuation.Continuation | None] = _no_plan
 
 
 class _Relayed:
@@ -822,6 +830,10 @@ class _Outbound:
                 out = tap.events(out)
         if out:
             await self.response.write(out)
+
+
+def _no_plan() -> continuation.Continuation | None:
+    return None
 
 
 def _splicer(plan: continuation.Continuation) -> Callable[[bytes], bytes]:
