@@ -603,8 +603,10 @@ def test_tokens_merged_into_one_chunk_are_counted_exactly_when_the_stream_says()
     assert (continuation.relayed_tokens, continuation.body["max_tokens"]) == (2, 8)
 
 
-def test_messages_usage_counts_the_partial_text_from_the_prompts() -> None:
-    # Two tokens came in one delta: the deltas say 1, the prompts say 2 (17 - 15).
+def test_messages_usage_counts_the_partial_text_as_planned() -> None:
+    # The prompts say the partial text is 2 tokens (17 - 15), re-tokenised; the deltas say 1,
+    # which is what the continuation's max_tokens was lowered by: the usage counts that, so
+    # it never passes the client's max_tokens.
     start, block = messages_stream(TOKENS, 15)[:2]
     relayed = (
         start
@@ -618,4 +620,4 @@ def test_messages_usage_counts_the_partial_text_from_the_prompts() -> None:
     assert continuation is not None and continuation.relayed_tokens == 1
     rest = chat_stream("chatcmpl-x", 5, [",", " wor", "ld"], prompt=17)
     stitch(continuation, relayed, rest)
-    assert continuation.usage == {"prompt_tokens": 15, "completion_tokens": 5, "total_tokens": 20}
+    assert continuation.usage == {"prompt_tokens": 15, "completion_tokens": 4, "total_tokens": 19}
