@@ -518,13 +518,16 @@ class Proxy:
         the partial text overcounts wherever it re-tokenises differently.)"""
         old = leg.claim.replica
         plan = leg.plan()
+        # Not the replica it leaves, nor one that refused the continuation just now; a replica
+        # the stream left before is a candidate again (undrained after a rolling restart).
+        exclude = {old.id}
         while plan is not None and len(ex.continued) < self.settings.max_continuations:
             now = self.clock()
             if ex.deadline is not None and now >= ex.deadline:
                 return None
             # A drain's continuation counts as a first attempt: no retry budget is spent.
             attempts = 0 if cut.reason == MIGRATE_DRAIN else ex.attempts
-            choice = pick.next_attempt(now, ex.tried, attempts, ex.deadline)
+            choice = pick.next_attempt(now, exclude, attempts, ex.deadline)
             if isinstance(choice, str) or choice.model != old.model:
                 return None  # none left, or only a fallback model: not the same answer
             replica = choice
@@ -548,6 +551,7 @@ class Proxy:
             except UpstreamFailure as failure:
                 claim.release()
                 self._failed(replica, failure)
+                exclude.add(replica.id)
                 continue
             log.info(
                 "stream continued on another replica",

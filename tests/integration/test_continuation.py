@@ -132,7 +132,8 @@ async def test_without_continuations_the_stream_is_cut_as_before(tmp_path: Path)
 
 async def test_a_drained_replicas_streams_move_to_another(tmp_path: Path) -> None:
     """A stream far from its end when its replica is drained finishes elsewhere, soon after
-    ``upstream.migrate_after_s``, instead of holding the drain for its whole length."""
+    ``upstream.migrate_after_s``, instead of holding the drain for its whole length; drained
+    in turn there (a rolling restart), it moves back."""
     async with sim_upstream(MODEL, tokens_per_s=40) as a, sim_upstream(MODEL, tokens_per_s=40) as b:
         config = {
             "models": [{"name": MODEL, "replicas": [{"url": a}, {"url": b}]}],
@@ -147,7 +148,15 @@ async def test_a_drained_replicas_streams_move_to_another(tmp_path: Path) -> Non
                 assert head.startswith(b"data: ")
                 started = asyncio.get_running_loop().time()
                 admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+                other = "m-1" if first == "m-0" else "m-0"
                 async with http.post(f"{url}/admin/replicas/{first}/drain", headers=admin) as d:
+                    assert d.status == 200
+                # A rolling restart's next step: the first back, the other drained; the
+                # stream moves back to the replica it left.
+                await asyncio.sleep(1.0)
+                async with http.post(f"{url}/admin/replicas/{first}/undrain", headers=admin) as d:
+                    assert d.status == 200
+                async with http.post(f"{url}/admin/replicas/{other}/drain", headers=admin) as d:
                     assert d.status == 200
                 got = events(head + await r.read())
                 took = asyncio.get_running_loop().time() - started
@@ -155,6 +164,5 @@ async def test_a_drained_replicas_streams_move_to_another(tmp_path: Path) -> Non
             (line,) = [x for x in access_lines(access) if x["path"] == "/v1/chat/completions"]
     text = one_stream(got)
     assert text
-    other = "m-1" if first == "m-0" else "m-0"
-    assert line["continued"] == [{"replica": other, "reason": "drain"}], line
+    assert line["continued"] == [{"replica": other, "reason": "drain"}, {"replica": first, "reason": "drain"}], line
     assert took < 20, took
