@@ -145,6 +145,9 @@ class Proxy:
         self._legs: dict[str, set[_Leg]] = {}
         # The replicas of a replica's model (``bind_fleet``): where its streams could move.
         self._peers: Callable[[Replica], Sequence[Replica]] = lambda replica: ()
+        # Replicas whose streams were moved off (``migrate``): a stream that starts relaying
+        # on one while it is still out of rotation moves at once.
+        self._moved_off: set[str] = set()
 
     async def __aenter__(self) -> Proxy:
         self._client = UpstreamClient(
@@ -618,7 +621,11 @@ class Proxy:
     # -- streams under way, by replica (migration on drain) ---------------------------------
 
     def _track(self, leg: _Leg) -> None:
-        self._legs.setdefault(leg.claim.replica.id, set()).add(leg)
+        replica = leg.claim.replica
+        self._legs.setdefault(replica.id, set()).add(leg)
+        if replica.id in self._moved_off and not replica.routable(self.clock()):
+            # Its first token came after the drain's streams were moved: it moves too.
+            asyncio.get_running_loop().call_soon(self._move, leg)
 
     def _close_leg(self, leg: _Leg) -> None:
         """Hand back what ``leg`` holds: its claim and its connection."""
@@ -627,6 +634,16 @@ class Proxy:
             legs.discard(leg)
         leg.claim.release()
         leg.upstream.release()
+
+    def _move(self, leg: _Leg) -> bool:
+        """Close ``leg``'s connection so its relay continues the stream elsewhere, if it can
+        be continued; whether it was."""
+        if leg.migrating or leg.plan() is None:
+            return False
+        leg.migrating = True
+        leg.upstream.fail(UpstreamError("the replica was drained"))
+        leg.upstream.close()
+        return True
 
     def bind_fleet(self, peers: Callable[[Replica], Sequence[Replica]]) -> None:
         """Where a drained replica's streams could move: the replicas of its model."""
@@ -651,14 +668,8 @@ class Proxy:
         if not any(peer is not replica and peer.routable(now) for peer in peers):
             log.info("a drained replica's streams stay: no other replica can take them", extra={"replica": replica.id})
             return
-        moved = 0
-        for leg in list(self._legs.get(replica.id, ())):
-            if leg.plan() is None:
-                continue
-            moved += 1
-            leg.migrating = True
-            leg.upstream.fail(UpstreamError("the replica was drained"))
-            leg.upstream.close()
+        self._moved_off.add(replica.id)
+        moved = sum(self._move(leg) for leg in list(self._legs.get(replica.id, ())))
         if moved:
             log.info("streams moved off a drained replica", extra={"replica": replica.id, "streams": moved})
 
