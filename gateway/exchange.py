@@ -163,13 +163,13 @@ class Exchange:
     cut: str | None = None
     # Each time the stream was finished on another replica (``gateway.proxy``): where, why
     # the one before stopped, and the tokens the client already had then.
-    continued: list[Continued] = field(default_factory=list)
+    continued: tuple[Continued, ...] = ()
     # W3C trace context, forwarded to the replica as its parent.
     trace: TraceContext | None = None
     # Stage and attempt times for OpenTelemetry spans (None: tracing off).
     timeline: Timeline | None = None
     # What the stages see of a 200 answer on its way out, in the order they were installed.
-    taps: list[Tap] = field(default_factory=list)
+    taps: tuple[Tap, ...] = ()
     _releases: list[Release] = field(default_factory=list)
 
     @property

@@ -535,7 +535,7 @@ class Proxy:
                 return None  # none left, or only a fallback model: not the same answer
             replica = choice
             served = ex.adapter or replica.served_model
-            ex.continued.append(Continued(replica.id, cut.reason, plan.relayed_tokens))
+            ex.continued = (*ex.continued, Continued(replica.id, cut.reason, plan.relayed_tokens))
             self.metrics.continuations.labels(ex.call.model, cut.reason).inc()
             ex.attempts += 1
             ex.tried.add(replica.id)

@@ -92,7 +92,7 @@ class ResponseState:
         keep = body.get("store") is not False
         if keep or previous is not None or call.stream:
             tap = _ResponseTap(self, tenant, items, previous, ex.chain, keep)
-            ex.taps.append(tap)
+            ex.taps = (*ex.taps, tap)
             if call.stream:
                 ex.release(tap.forget)
 

@@ -70,7 +70,7 @@ class LookUpCache:
         if plan.key is not None and answers is not None:
             # Characters never outnumber UTF-8 bytes: a bound on them is a safe, cheap bound on the entry.
             collect = _Collect(answers.collector(tenant.cache.max_entry_bytes), answers)
-            ex.taps.append(collect)
+            ex.taps = (*ex.taps, collect)
             ex.release(_Outcome(cache, ex, plan, tenant, collect, leader))
         elif leader is not None:
             ex.release(leader_released(leader))
