@@ -1,4 +1,4 @@
-"""Finishing a stream on another replica when its own failed after the first byte (issue 42).
+"""Finishing a stream on another replica when its own failed after the first byte.
 
 ``plan(api, call_body, relayed)`` reads the events already relayed to the client and
 returns a ``Continuation`` (the request for the next replica, and the ``splice`` that

@@ -1,9 +1,9 @@
 """What every API's continuation shares: the ``Continuation`` a plan returns, the ``Splicer``
 that fits the new stream into the old one, and the reading of whole SSE events.
 
-A stream whose replica failed after its first byte is finished on another replica (issue
-42): the request is sent again with the text already relayed as the start of the answer,
-and the new stream's events are rewritten so the client sees one stream. Deciding whether
+A stream whose replica failed after its first byte is finished on another replica: the
+request is sent again with the text already relayed as the start of the answer, and the
+new stream's events are rewritten so the client sees one stream. Deciding whether
 that can be done exactly, building the new body and rewriting the events is pure work over
 bytes and dicts, kept here; sending the request and relaying its bytes is the proxy's.
 """
