@@ -509,10 +509,14 @@ class Proxy:
     async def _resume(self, ex: Exchange, pick: Route, leg: _Leg, cut: _Cut, request: web.Request) -> bytes | None:
         """Finish the stream on another replica of the same model (the same adapter): the
         dialect's continuation (``dialects.continuation``) of what the client already has,
-        within ``upstream.max_continuations`` and the request's deadline, and, for a
-        replica's failure, the pool's retry budget (a drain is planned, not a failure: it
-        spends none). On success ``leg`` is the new replica's and its first chunk is
-        returned; None when the stream cannot go on.
+        within ``upstream.max_continuations`` and the request's deadline. On success ``leg``
+        is the new replica's and its first chunk is returned; None when the stream cannot
+        go on.
+
+        A continuation spends no retry budget: the budget stops retries from multiplying
+        the load on a failing fleet, and a continuation adds none (the stream's remaining
+        tokens move with it; it is bounded per stream). A replica that dies holding a
+        hundred streams has all of them continued, not the budget's burst.
 
         The tokens the client already has are the relayed token events (exact where the
         stream carries token ids or running usage): never more than were generated, so the
@@ -528,9 +532,8 @@ class Proxy:
             now = self.clock()
             if ex.deadline is not None and now >= ex.deadline:
                 return None
-            # A drain's continuation counts as a first attempt: no retry budget is spent.
-            attempts = 0 if cut.reason == MIGRATE_DRAIN else ex.attempts
-            choice = pick.next_attempt(now, exclude, attempts, ex.deadline)
+            # A first attempt to the picker: no retry budget is spent (see above).
+            choice = pick.next_attempt(now, exclude, 0, ex.deadline)
             if isinstance(choice, str) or choice.model != old.model:
                 return None  # none left, or only a fallback model: not the same answer
             replica = choice

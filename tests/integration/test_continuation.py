@@ -166,3 +166,24 @@ async def test_a_drained_replicas_streams_move_to_another(tmp_path: Path) -> Non
     assert text
     assert line["continued"] == [{"replica": other, "reason": "drain"}, {"replica": first, "reason": "drain"}], line
     assert took < 20, took
+
+
+async def test_every_stream_of_a_failed_replica_is_continued_beyond_the_retry_budget(tmp_path: Path) -> None:
+    """A replica that fails holding many streams has every one continued: continuations
+    spend no retry budget (its burst, 10 retries here, would otherwise cut the rest)."""
+    faulty = FaultyUpstream(MODEL, "drop")
+    n = 60
+    async with serve_app(faulty.app()) as a, sim_upstream(MODEL) as b:
+        config = {
+            "models": [{"name": MODEL, "replicas": [{"url": a}, {"url": b}]}],
+            "routing": {"policy": "round_robin", "retry_budget": {"ratio": 0.1, "min_per_s": 0, "burst": 10}},
+        }
+        async with in_process_gateway(config, tmp_path) as (url, gateway, access), aiohttp.ClientSession() as http:
+            results = await asyncio.gather(*(stream(http, url, chat(content=f"many {i}")) for i in range(n)))
+            gateway.access_log.flush()
+            lines = [x for x in access_lines(access) if x["path"] == "/v1/chat/completions"]
+    for _, got in results:
+        one_stream(got)
+    continued = [line for line in lines if "continued" in line]
+    assert len(continued) >= 20, len(continued)  # round robin: about half began on the faulty one
+    assert not any("cut" in line for line in lines), [line for line in lines if "cut" in line]
