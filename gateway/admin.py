@@ -5,6 +5,10 @@ GET  /admin/fleet                     every replica: state, its probe and how th
 POST /admin/replicas/{id}/drain       stop routing new requests to it; its streams still running
                                       after upstream.migrate_after_s continue on other replicas
 POST /admin/replicas/{id}/undrain     route to it again (once its probes pass)
+POST /admin/replicas/{id}/restart     a replica the gateway runs: drained (its streams move
+                                      to other replicas), stopped once nothing runs on it or
+                                      after ``grace_s`` (query, default 30), started again;
+                                      202 at once, the restart goes on (``/admin/fleet``)
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.auth import KeyRing
-from gateway.errors import Forbidden, GatewayError, NotFound, error_response
+from gateway.errors import BadRequest, Conflict, Forbidden, GatewayError, NotFound, error_response
 from replicas.fleet import Fleet
 from replicas.replica import Replica, ReplicaState
 
@@ -78,6 +82,20 @@ class AdminApi:
         log.info("replica undrained by operator", extra={"replica": replica.id})
         return web.json_response(replica.snapshot(self._fleet.clock()))
 
+    async def restart(self, request: web.Request) -> web.Response:
+        replica = self._replica(request)
+        grace_s = _grace(request.query.get("grace_s", str(RESTART_GRACE_S)))
+        if self._fleet.process(replica) is None:
+            raise Conflict(
+                f"Replica {replica.id!r} is not run by the gateway: "
+                "drain it, restart it where it runs, then undrain it.",
+                code="replica_not_managed",
+            )
+        if not self._fleet.restart(replica, grace_s):
+            raise Conflict(f"Replica {replica.id!r} is already restarting.", code="replica_restarting")
+        log.info("replica restart by operator", extra={"replica": replica.id, "grace_s": grace_s})
+        return web.json_response(replica.snapshot(self._fleet.clock()), status=202)
+
     def _replica(self, request: web.Request) -> Replica:
         replica = self._fleet.get(request.match_info["replica_id"])
         if replica is None:
@@ -91,3 +109,18 @@ class AdminApi:
         app.router.add_get("/admin/fleet", logged(self.guarded(self.fleet), "admin"))
         app.router.add_post("/admin/replicas/{replica_id}/drain", logged(self.guarded(self.drain), "admin"))
         app.router.add_post("/admin/replicas/{replica_id}/undrain", logged(self.guarded(self.undrain), "admin"))
+        app.router.add_post("/admin/replicas/{replica_id}/restart", logged(self.guarded(self.restart), "admin"))
+
+
+# How long a restarted replica's requests that cannot move elsewhere get to finish.
+RESTART_GRACE_S = 30.0
+
+
+def _grace(value: str) -> float:
+    try:
+        grace_s = float(value)
+    except ValueError:
+        grace_s = -1.0
+    if not 0 <= grace_s <= 3600:
+        raise BadRequest(f"grace_s must be a number of seconds from 0 to 3600, not {value!r}.", param="grace_s")
+    return grace_s

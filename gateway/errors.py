@@ -101,6 +101,12 @@ class MethodNotAllowed(GatewayError):
     code = "method_not_allowed"
 
 
+class Conflict(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
 class RequestTimeout(GatewayError):
     status = 408
     type = "invalid_request_error"

@@ -120,7 +120,7 @@ def connect(url: str, options: ClientOptions, security: RedisSecurity | None = N
         "socket_connect_timeout": options.connect_timeout_s,
         **({"ssl": True, **tls} if target.tls else {}),
     }
-    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_side)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_side)  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis 8.2
     client: _SentinelMaster = sentinel.master_for(
         target.service,
         redis_class=_SentinelMaster,

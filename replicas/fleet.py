@@ -105,8 +105,11 @@ class Fleet:
     ) -> None:
         self._health_settings = health
         self._on_down = on_down
-        # Told of each replica discovery removed: its streams under way move elsewhere.
+        # Told of each replica discovery removed or an operator restarts: its streams under
+        # way move elsewhere.
         self._on_removed = on_removed
+        # Operators' restarts under way, by replica id.
+        self._restarts: dict[str, asyncio.Task[None]] = {}
         self._environ = os.environ if environ is None else environ
         self._log_dir = log_dir
         self._policy = restart
@@ -295,8 +298,43 @@ class Fleet:
         while any(r.outstanding_requests for r in self.all()) and self.clock() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
+    def process(self, replica: Replica) -> ManagedProcess | None:
+        """The process the gateway runs ``replica`` in; None for a replica it does not run."""
+        return next((p for p in self.processes if p.replica is replica), None)
+
+    def restart(self, replica: Replica, grace_s: float) -> bool:
+        """Restart managed ``replica`` without cutting its streams: drained at once (its
+        streams move to other replicas after ``upstream.migrate_after_s``), stopped once
+        nothing runs on it or after ``grace_s``, started again; back in rotation at its
+        first good probe. False when a restart of it is already under way."""
+        proc = self.process(replica)
+        if proc is None:
+            raise ValueError(f"replica {replica.id} is not run by the gateway")
+        if replica.id in self._restarts:
+            return False
+        task = asyncio.create_task(self._restart(proc, grace_s), name=f"restart:{replica.id}")
+        self._restarts[replica.id] = task
+        task.add_done_callback(lambda _: self._restarts.pop(replica.id, None))
+        return True
+
+    async def _restart(self, proc: ManagedProcess, grace_s: float) -> None:
+        replica = proc.replica
+        if replica.state is not ReplicaState.FAILED:
+            replica.state = ReplicaState.DRAINING
+        if self._on_removed is not None:
+            self._on_removed(replica)
+        log.info("replica restart: draining", extra={"replica": replica.id})
+        started = self.clock()
+        await self._until(lambda: not replica.outstanding_requests, grace_s)
+        left = replica.outstanding_requests
+        await proc.restart()
+        log.info(
+            "replica restart: stopped, starting again",
+            extra={"replica": replica.id, "drained_s": round(self.clock() - started, 3), "requests_cut": left},
+        )
+
     async def __aexit__(self, *exc: object) -> None:
-        for task in [*self._discovery_tasks, self._health_task]:
+        for task in [*self._restarts.values(), *self._discovery_tasks, self._health_task]:
             await stop(task)
         await asyncio.gather(*(p.stop() for p in reversed(self.processes)))
         if self._session is not None:

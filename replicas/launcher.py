@@ -23,7 +23,6 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -67,15 +66,15 @@ class ManagedProcess:
         replica: Replica,
         spec: LaunchSpec,
         policy: RestartSettings,
-        on_restart: Callable[[Replica], None] | None = None,
     ) -> None:
         self.replica = replica
         self.spec = spec
         self.policy = policy
-        self._on_restart = on_restart
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        # Set by ``restart``: the next exit is the operator's, not a crash.
+        self._restarting = False
         self._crashes: deque[float] = deque()
 
     @property
@@ -111,6 +110,12 @@ class ManagedProcess:
             code = await self._proc.wait()
             if self._stopping:
                 return
+            if self._restarting:
+                self._restarting = False
+                await _reap_group(self._proc.pid)
+                self.replica.restarts += 1
+                log.info("replica restarted by operator", extra={"replica": self.replica.id, "exit_code": code})
+                continue
             now = time.monotonic()
             self.replica.state = ReplicaState.DOWN
             self._crashes.append(now)
@@ -133,13 +138,32 @@ class ManagedProcess:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.policy.backoff_max_s)
             self.replica.restarts += 1
-            if self._on_restart:
-                self._on_restart(self.replica)
+
+    async def restart(self) -> None:
+        """Stop the process as ``stop`` does and start it again at once: no backoff, and not
+        counted as a crash. A replica given up as crash-looping is started afresh."""
+        if self._task is None or self._task.done():
+            self._crashes.clear()
+            self.start()
+            return
+        self._restarting = True
+        await self._terminate(self.policy.stop_timeout_s)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL."""
         self._stopping = True
         grace_s = self.policy.stop_timeout_s if grace_s is None else grace_s
+        proc = await self._terminate(grace_s)
+        # Workers the server spawned may outlive it; its group goes with it.
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGKILL)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _terminate(self, grace_s: float) -> asyncio.subprocess.Process | None:
+        """SIGTERM the running process's group, SIGKILL it after ``grace_s``; the process."""
         proc = self._proc
         if proc is not None and proc.returncode is None:
             _signal_group(proc.pid, signal.SIGTERM)
@@ -149,13 +173,7 @@ class ManagedProcess:
                 log.warning("replica ignored SIGTERM; killing", extra={"replica": self.replica.id})
                 _signal_group(proc.pid, signal.SIGKILL)
                 await proc.wait()
-        # Workers the server spawned may outlive it; its group goes with it.
-        if proc is not None:
-            _signal_group(proc.pid, signal.SIGKILL)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        return proc
 
 
 # How long a dead replica's leftover processes get to die after SIGKILL.

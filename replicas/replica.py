@@ -6,7 +6,7 @@ State machine::
         │                      │  ▲                 ▲
         │                      │  └─undrain─┐       │ probes fail / process exits
         │                      └──drain──► draining ┘
-        └── crash loop ──► failed (managed replicas only; stays until restart)
+        └── crash loop ──► failed (managed replicas only; stays until an admin restart)
 
 Besides the state, a passive circuit breaker (``common.breaker``) counts consecutive proxy
 failures; while it is open the replica is skipped even if its /health still answers. After

@@ -48,6 +48,10 @@ async def test_fleet_view_drain_undrain(tmp_path: Path) -> None:
             async with http.post(f"{url}/admin/replicas/nope/drain", headers=admin) as r:
                 assert r.status == 404
                 assert (await r.json())["error"]["code"] == "replica_not_found"
+            # Only a replica the gateway runs can be restarted by it.
+            async with http.post(f"{url}/admin/replicas/m-0/restart", headers=admin) as r:
+                assert r.status == 409
+                assert (await r.json())["error"]["code"] == "replica_not_managed"
 
 
 async def test_admin_api_disabled_without_keys(tmp_path: Path) -> None:

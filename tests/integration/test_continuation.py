@@ -187,3 +187,63 @@ async def test_every_stream_of_a_failed_replica_is_continued_beyond_the_retry_bu
     continued = [line for line in lines if "continued" in line]
     assert len(continued) >= 20, len(continued)  # round robin: about half began on the faulty one
     assert not any("cut" in line for line in lines), [line for line in lines if "cut" in line]
+
+
+async def test_a_rolling_restart_of_managed_replicas_cuts_no_stream(tmp_path: Path) -> None:
+    """``POST /admin/replicas/{id}/restart``, one replica after the other, under streams far
+    longer than the roll: each replica's streams move to the other, each restart takes
+    seconds whatever the streams' length, and every stream ends whole. The replicas are
+    simulator processes the gateway launches, as it launches vLLM."""
+    config = {
+        "models": [
+            {
+                "name": MODEL,
+                "replicas": [{"engine": "sim", "count": 2, "sim": {"ttft_ms": 1, "tokens_per_s": 40}}],
+            }
+        ],
+        "admin_api_keys": ["sha256:" + hash_key(ADMIN_KEY)],
+        "upstream": {"migrate_after_s": 0.2},
+    }
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    n = 8
+    async with in_process_gateway(config, tmp_path) as (url, gateway, access), aiohttp.ClientSession() as http:
+
+        async def fleet() -> dict[str, Any]:
+            async with http.get(f"{url}/admin/fleet", headers=admin) as r:
+                return {x["id"]: x for x in (await r.json())["replicas"]}
+
+        async def restart(rid: str) -> float:
+            pid = (await fleet())[rid]["pid"]
+            started = asyncio.get_running_loop().time()
+            async with http.post(f"{url}/admin/replicas/{rid}/restart", headers=admin) as r:
+                assert r.status == 202, await r.text()
+            async with http.post(f"{url}/admin/replicas/{rid}/restart", headers=admin) as r:
+                assert r.status == 409 and (await r.json())["error"]["code"] == "replica_restarting"
+            async with asyncio.timeout(30):  # polled, as an operator's script would
+                while (state := (await fleet())[rid])["state"] != "healthy" or state["pid"] == pid:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert state["restarts"] == 1
+            return asyncio.get_running_loop().time() - started
+
+        # 800 tokens at 40 tokens/s: 20 s a stream.
+        usage = {"include_usage": True}
+        bodies = [chat(max_tokens=800, content=f"long {i}", ignore_eos=True, stream_options=usage) for i in range(n)]
+        streams = [asyncio.create_task(stream(http, url, body)) for body in bodies]
+        async with asyncio.timeout(30):
+            while sum(r["outstanding_requests"] for r in (await fleet()).values()) < n:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        took = [await restart("m-0"), await restart("m-1")]
+        assert not any(s.done() for s in streams), "the roll waited for the streams"
+        results = await asyncio.gather(*streams)
+        async with http.post(f"{url}/admin/replicas/m-0/restart?grace_s=x", headers=admin) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "grace_s"
+        async with http.post(f"{url}/admin/replicas/m-9/restart", headers=admin) as r:
+            assert r.status == 404
+        gateway.access_log.flush()
+        lines = [x for x in access_lines(access) if x["path"] == "/v1/chat/completions"]
+    assert all(t < 15 for t in took), took
+    for _, got in results:
+        one_stream(got)
+        assert got[-2]["usage"]["completion_tokens"] == 800
+    assert not any("cut" in line for line in lines), lines
+    assert sum("continued" in line for line in lines) == n  # every stream moved at least once

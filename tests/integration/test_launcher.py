@@ -78,6 +78,10 @@ def test_crash_loop_marks_replica_failed(tmp_path: Path) -> None:
         assert fleet(gw.url)["broken-0"]["restarts"] == 2
         assert fleet(gw.url)["m-0"]["state"] == "healthy"  # the rest of the fleet is unaffected
         assert (gw.log_dir / "broken-0.log").read_text()  # its output is kept for the operator
+        # An operator's restart starts it afresh: a new crash loop, then failed again.
+        assert httpx.post(f"{gw.url}/admin/replicas/broken-0/restart", headers=ADMIN).status_code == 202
+        assert wait_for(lambda: fleet(gw.url)["broken-0"]["restarts"] == 4, timeout=20)
+        assert wait_for(lambda: fleet(gw.url)["broken-0"]["state"] == "failed", timeout=20)
 
 
 def test_sigterm_stops_replicas(tmp_path: Path) -> None:
