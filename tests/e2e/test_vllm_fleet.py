@@ -8,7 +8,9 @@ tiny model; vLLM takes about a minute to start):
 2. Chat and legacy completions, streamed and not, with exact token counts; both replicas
    serve; an endpoint vLLM lacks comes back as an OpenAI error.
 3. ``vllm:num_requests_running``, scraped into ``/admin/fleet``, rises under a burst.
-4. One replica's API server is frozen (SIGSTOP) while long streams run on it, sent more
+4. Streams of every API outlive their replica: drained, then cut off, it hands them to the
+   other (a second gateway, continuations on, the official SDKs as clients).
+5. One replica's API server is frozen (SIGSTOP) while long streams run on it, sent more
    requests it never answers, then SIGKILLed under steady load: no non-streaming request
    fails (the ones it held are retried on the other), the streams it was serving end with
    an error event, and the launcher restarts it until it serves again.
@@ -29,12 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anthropic
+import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import (
+    ADMIN,
     ADMIN_KEY,
     FLEET_START_TIMEOUT_S,
     MODEL,
@@ -55,6 +61,7 @@ from tests.e2e.conftest import (
     wait_group_gone,
 )
 from tests.e2e.freezer import ROUTED
+from tests.integration.harness import API_KEY
 
 pytestmark = pytest.mark.e2e
 
@@ -248,7 +255,233 @@ async def test_num_requests_running_rises_under_load(vllm_fleet: E2EGateway, cli
     assert max(peaks.values(), default=0.0) >= 2, f"vllm:num_requests_running never reached 2: {peaks}"
 
 
-# -- 4. a replica dies under load -------------------------------------------------------------
+# -- 4. streams that outlive their replica ---------------------------------------------------
+
+# Each API's stream: long enough (seconds on these cores) to be under way when its replica goes.
+CONTINUED_TOKENS = 1200
+
+
+class Cutter:
+    """A TCP relay standing for the network path to one replica: ``cut`` resets every
+    connection through it and refuses new ones, as a node that is gone would. The shared
+    fleet's replica behind it keeps running for the tests after this one."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("http://").rsplit(":", 1)
+        self._target = (host, int(port))
+        self._links: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> Cutter:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cut()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._links.update((writer, up_writer))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while chunk := await src.read(65536):
+                    dst.write(chunk)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._links.difference_update((writer, up_writer))
+
+    def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._links):
+            link.transport.abort()
+
+
+async def test_streams_of_every_api_outlive_their_replica(vllm_fleet: E2EGateway) -> None:
+    """A second gateway in front of the fleet's two replicas, with continuations on (the
+    default), and the official SDKs as its clients: streams of chat completions (openai),
+    Messages (anthropic) and Responses (openai, stored) all begin on one replica. Once
+    each has its first token, that replica is drained (its streams move after
+    ``migrate_after_s``); then, a second round, its network path is cut (every connection
+    reset, new ones refused, as a node gone). Every stream ends whole, as one stream, with
+    its full length; the access lines say where each was continued and why; the
+    completion tokens counted equal what the clients were told; the stored Responses turn
+    is retrieved whole and a conversation goes on from it with ``previous_response_id``.
+    (The replica behind the cut keeps running for the tests after this one.)"""
+    fleet = await vllm_fleet.fleet()
+    first, second = sorted(fleet)
+    async with Cutter(fleet[first]["url"]) as cutter:
+        config = gateway_config([{"url": cutter.url}, {"url": fleet[second]["url"]}])
+        config["upstream"] = {"connect_timeout_s": 15.0, "migrate_after_s": 0.5}
+        gw, _ = await asyncio.to_thread(start_gateway, config, run_dir("continuation"), 60.0, True)
+        try:
+            async with (
+                gw.client() as oai,
+                anthropic.AsyncAnthropic(base_url=gw.url, api_key=API_KEY, max_retries=0, timeout=180) as claude,
+            ):
+                clients = StreamClients(oai, claude)
+                await streams_moved(gw, clients, "drain", lambda: gw.drain("tiny-0"))
+                await gw.undrain("tiny-0")
+                await streams_moved(gw, clients, "upstream_closed", cutter.cut)
+                await chained_after_continuation(oai, clients.response_ids[-1])
+        finally:
+            await asyncio.to_thread(stop_gateway, gw, signal.SIGTERM)
+
+
+@dataclass
+class StreamClients:
+    """One stream of each API through the official SDKs; each call returns (its request id,
+    the output tokens the client was told, the text) and notes its first token in ``begun``."""
+
+    oai: AsyncOpenAI
+    claude: Any
+    begun: list[str] = field(default_factory=list)
+    response_ids: list[str] = field(default_factory=list)
+
+    async def chat(self, tag: str) -> tuple[str, int, str]:
+        rid = request_id(tag)
+        stream = await self.oai.chat.completions.create(
+            model=MODEL,
+            messages=messages(tag),
+            max_tokens=CONTINUED_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+            extra_body=IGNORE_EOS,
+            extra_headers={REQUEST_ID_HEADER: rid},
+        )
+        text: list[str] = []
+        finishes: list[str] = []
+        usage = 0
+        async for chunk in stream:
+            for choice in chunk.choices:
+                if not text:
+                    self.begun.append(rid)
+                text.append(choice.delta.content or "")
+                if choice.finish_reason:
+                    finishes.append(choice.finish_reason)
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        assert finishes == ["length"] and usage == CONTINUED_TOKENS, (finishes, usage)
+        return rid, usage, "".join(text)
+
+    async def messages(self, tag: str) -> tuple[str, int, str]:
+        rid = request_id(tag)
+        async with self.claude.messages.stream(
+            model=MODEL,
+            max_tokens=CONTINUED_TOKENS,
+            messages=[{"role": "user", "content": f"{tag}: tell me a long story about a gateway."}],
+            extra_body={"temperature": 0},
+            extra_headers={REQUEST_ID_HEADER: rid},
+        ) as stream:
+            async for event in stream:
+                if event.type == "text" and rid not in self.begun:
+                    self.begun.append(rid)
+            final = await stream.get_final_message()
+        # vLLM's Messages API takes no ignore_eos: the answer may end on its own.
+        assert final.stop_reason == "end_turn" or (
+            final.stop_reason == "max_tokens" and final.usage.output_tokens == CONTINUED_TOKENS
+        ), (final.stop_reason, final.usage)
+        return rid, final.usage.output_tokens, "".join(b.text for b in final.content if b.type == "text")
+
+    async def responses(self, tag: str) -> tuple[str, int, str]:
+        rid = request_id(tag)
+        stream = await self.oai.responses.create(
+            model=MODEL,
+            input=f"{tag}: tell me a long story about a gateway.",
+            max_output_tokens=CONTINUED_TOKENS,
+            stream=True,
+            temperature=0,
+            extra_body=IGNORE_EOS,
+            extra_headers={REQUEST_ID_HEADER: rid},
+        )
+        final = None
+        deltas: list[str] = []
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                if not deltas:
+                    self.begun.append(rid)
+                deltas.append(event.delta)
+            if event.type in ("response.completed", "response.incomplete", "response.failed"):
+                final = event.response
+        assert final is not None and final.usage is not None, final
+        assert final.usage.output_tokens == CONTINUED_TOKENS, final.usage
+        assert final.output_text == "".join(deltas)
+        self.response_ids.append(final.id)
+        return rid, final.usage.output_tokens, final.output_text
+
+
+async def streams_moved(gw: E2EGateway, clients: StreamClients, reason: str, leave: Callable[[], Any]) -> None:
+    """Streams of every API begun on tiny-0 (tiny-1 drained meanwhile); once all have a token,
+    ``leave`` takes tiny-0 away: every stream is finished by tiny-1, counted once."""
+    await gw.drain("tiny-1")
+    completion_before = await completion_tokens(gw)
+    clients.begun.clear()
+    calls = [clients.chat, clients.chat, clients.messages, clients.messages, clients.responses]
+    tasks = [asyncio.create_task(call(f"{reason} {i}")) for i, call in enumerate(calls)]
+    start = time.monotonic()
+    try:
+        async with asyncio.timeout(bounded(120)):
+            while len(clients.begun) < len(tasks):
+                assert not any(t.done() for t in tasks), [t.exception() or t.result() for t in tasks if t.done()]
+                await asyncio.sleep(0.02)
+        await gw.undrain("tiny-1")
+        await gw.wait_fleet(lambda f: f["tiny-1"]["state"] == "healthy", 30, "tiny-1 back in rotation")
+        result = leave()
+        if asyncio.iscoroutine(result):
+            await result
+        async with asyncio.timeout(bounded(180)):
+            results = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    took = time.monotonic() - start
+    continued = 0
+    for (rid, _, _), call in zip(results, calls, strict=True):
+        line = await gw.access_line(rid, 15)
+        assert line["status"] == 200 and "cut" not in line and "error" not in line, line
+        if call == clients.messages and "continued" not in line:
+            continue  # it ended on its own before tiny-0 went (no ignore_eos for Messages)
+        assert line["replica"] == "tiny-1" and line["continued"] == [{"replica": "tiny-1", "reason": reason}], line
+        continued += 1
+    record_timing(f"continuation ({reason}): 5 streams of {CONTINUED_TOKENS} tokens, {continued} continued", took)
+    # Each stream's output is counted once: what its client was told.
+    assert await completion_tokens(gw) - completion_before == sum(n for _, n, _ in results)
+
+
+async def completion_tokens(gw: E2EGateway) -> float:
+    text = (await asyncio.to_thread(httpx.get, f"{gw.url}/metrics", headers=ADMIN)).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "fleetgate_tokens_total" and sample.labels.get("direction") == "completion"
+    )
+
+
+async def chained_after_continuation(oai: AsyncOpenAI, response_id: str) -> None:
+    """The stored answer of a continued Responses turn is whole, and the conversation goes on."""
+    stored = await oai.responses.retrieve(response_id)
+    assert stored.status == "incomplete" and stored.incomplete_details is not None, stored
+    assert stored.incomplete_details.reason == "max_output_tokens"
+    assert stored.usage is not None and stored.usage.output_tokens == CONTINUED_TOKENS
+    nxt = await oai.responses.create(
+        model=MODEL, input="And then?", previous_response_id=response_id, max_output_tokens=8, temperature=0
+    )
+    assert nxt.status in ("completed", "incomplete") and nxt.output_text, nxt
+    assert nxt.previous_response_id == response_id
+
+
+# -- 5. a replica dies under load -------------------------------------------------------------
 
 
 @dataclass
