@@ -356,31 +356,49 @@ class Proxy:
             self._close_leg(leg)
 
     async def _open(self, ex: Exchange, replica: Replica) -> tuple[UpstreamResponse | web.Response, bytes]:
-        """Send the request and read the first chunk, within ``first_byte_timeout_s``."""
+        """Send the request and read the first chunk, within ``first_byte_timeout_s``; a
+        replica's refusal (a status other than 200 that is no failure) is the response to give."""
         call = ex.call
         ex.upstream_started = self.clock()
+        body = call.upstream_body(ex.adapter or replica.served_model)
+        refused = functools.partial(self._refused, ex, replica)
+        return await self._open_stream(replica, call.dialect.path, body, self._request_headers(ex, replica), refused)
+
+    async def _refused(self, ex: Exchange, replica: Replica, resp: UpstreamResponse) -> web.Response:
+        body = await resp.read(self.settings.max_response_bytes)
+        status = resp.status
+        resp.release()
+        _check_status(replica, status)
+        _pass_retry_after(ex, status, resp.retry_after)
+        ex.status = status
+        return web.Response(
+            status=status,
+            body=ex.dialect.errors.from_upstream(status, body),
+            content_type="application/json",
+            headers=ex.headers,
+        )
+
+    async def _open_stream(
+        self,
+        replica: Replica,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        refused: Callable[[UpstreamResponse], Awaitable[web.Response]] | None,
+    ) -> tuple[UpstreamResponse | web.Response, bytes]:
+        """Send a streamed request and read its first chunk within ``first_byte_timeout_s``:
+        (the response, that chunk); for a status other than 200, what ``refused`` makes of
+        the response, or with no ``refused``, a failed attempt."""
         resp: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                resp = await self.client.open(
-                    "POST",
-                    replica.base_url + call.dialect.path,
-                    call.upstream_body(ex.adapter or replica.served_model),
-                    self._request_headers(ex, replica),
-                )
+                resp = await self.client.open("POST", replica.base_url + path, body, headers)
                 if resp.status != 200:
-                    body = await resp.read(self.settings.max_response_bytes)
+                    if refused is not None:
+                        return await refused(resp), b""
                     status = resp.status
-                    resp.release()
-                    _check_status(replica, status)
-                    _pass_retry_after(ex, status, resp.retry_after)
-                    ex.status = status
-                    return web.Response(
-                        status=status,
-                        body=ex.dialect.errors.from_upstream(status, body),
-                        content_type="application/json",
-                        headers=ex.headers,
-                    ), b""
+                    resp.close()
+                    raise UpstreamFailure(Failure.STATUS, f"{replica.id} answered {status}", status)
                 first = await resp.readany()
                 if not first:
                     resp.release()
@@ -574,27 +592,13 @@ class Proxy:
     async def _open_continuation(
         self, ex: Exchange, replica: Replica, path: str, body: bytes
     ) -> tuple[UpstreamResponse, bytes]:
-        """Send a continuation and read its first chunk within ``first_byte_timeout_s``; any
-        answer but a 200 stream is a failed attempt (the client's status is already sent)."""
-        resp: UpstreamResponse | None = None
+        """Send a continuation and read its first chunk; any answer but a 200 stream is a
+        failed attempt (the client's status is already sent)."""
         headers = self._request_headers(ex, replica)
         headers["Content-Type"] = "application/json"
-        try:
-            async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                resp = await self.client.open("POST", replica.base_url + path, body, headers)
-                if resp.status != 200:
-                    status = resp.status
-                    resp.close()
-                    raise UpstreamFailure(Failure.STATUS, f"{replica.id} refused the continuation ({status})", status)
-                first = await resp.readany()
-                if not first:
-                    resp.release()
-                    raise UpstreamFailure(Failure.EOF, f"{replica.id} closed the continuation before any token")
-                return resp, first
-        except (TimeoutError, UpstreamError) as exc:
-            if resp is not None:
-                resp.close()
-            raise _attempt_failed(replica, exc, "sent nothing in time") from exc
+        upstream, first = await self._open_stream(replica, path, body, headers, None)
+        assert not isinstance(upstream, web.Response)
+        return upstream, first
 
     async def _end(self, ex: Exchange, leg: _Leg, response: web.StreamResponse, cut: _Cut) -> None:
         """End a stream that cannot go on with its API's error event."""
