@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dialects import anthropic_chat
 from dialects.answer import Answers
 from dialects.anthropic_answers import MESSAGES_ANSWERS, anthropic_usage
 from dialects.base import (
@@ -31,6 +32,7 @@ from dialects.base import (
     stream_flag,
     string_list,
 )
+from dialects.chat_input import ChatInput, TemplateTraits
 from dialects.envelopes import ANTHROPIC
 from dialects.stream import SseScanner, TypedEventScanner
 
@@ -108,6 +110,9 @@ class Messages(Dialect):
             if role == "user" and text:
                 instruction = text
         return PromptView(tuple(segments), instruction)
+
+    def prompt_input(self, body: dict[str, Any], traits: TemplateTraits) -> ChatInput:
+        return anthropic_chat.chat_input(body, traits)
 
     def scanner(self, call: Call) -> SseScanner:
         return MessagesScanner()

@@ -17,6 +17,7 @@ from dialects.envelopes import OPENAI, OpenAIErrors
 
 if TYPE_CHECKING:
     from dialects.answer import Answers
+    from dialects.chat_input import ChatInput, TemplateTraits, TextInput
     from dialects.envelopes import AnthropicErrors
     from dialects.stream import SseScanner
 
@@ -70,13 +71,18 @@ class Call:
     # The client asked for the final usage chunk (stream_options.include_usage).
     client_wants_usage: bool
     max_tokens: int | None
-    prompt_tokens_estimate: int
+    # The prompt's tokens: estimated from its characters when parsed (``estimate``), then
+    # counted with the model's tokenizer where one is configured (``prompt_tokens_counted``).
+    prompt_tokens: int
     # Raw bytes, forwarded as-is when nothing needs rewriting.
     raw: bytes
     # Choices asked for (``n``): each may generate up to ``max_tokens``.
     n: int = 1
     # The body's media type, sent upstream as the request's Content-Type.
     content_type: str = JSON
+    # Whether ``prompt_tokens`` is the model's tokenizer's count (what the replica's usage
+    # will say) rather than the estimate.
+    prompt_tokens_counted: bool = False
     _prompt: PromptView | None = None
 
     def upstream_body(self, served_model: str) -> bytes:
@@ -137,6 +143,12 @@ class Dialect:
 
     def prompt(self, body: dict[str, Any]) -> PromptView:
         return PromptView((), "")
+
+    def prompt_input(self, body: dict[str, Any], traits: TemplateTraits) -> ChatInput | TextInput | None:
+        """What the replica tokenises for this body (``dialects.chat_input``): the chat
+        template's inputs, or the prompt's texts; None when the API has no prompt the
+        gateway counts. Raises ``NotCountable`` for a body it cannot count exactly."""
+        return None
 
     def question(self, body: dict[str, Any]) -> str | None:
         """The text the semantic cache compares by meaning, stripped; None if there is none."""

@@ -26,6 +26,7 @@ from dialects.base import (
     string_list,
     text_of,
 )
+from dialects.chat_input import ChatInput, NotCountable, TemplateTraits, TextInput, chat_tools, template_kwargs
 from dialects.openai_answers import CHAT_ANSWERS, COMPLETION_ANSWERS
 from dialects.stream import SseScanner
 
@@ -103,6 +104,20 @@ class Chat(_Generation):
                 instruction = text
         return PromptView(tuple(segments), instruction)
 
+    def prompt_input(self, body: dict[str, Any], traits: TemplateTraits) -> ChatInput:
+        """The messages as they came, the tools as vLLM dumps them, and chat's template keywords
+        (vLLM's ``ChatCompletionRequest.build_chat_params``)."""
+        messages = body["messages"]
+        extra = {
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+            "continue_final_message": body.get("continue_final_message", False),
+            "documents": body.get("documents"),
+            "reasoning_effort": body.get("reasoning_effort"),
+        }
+        return ChatInput(
+            list(messages), chat_tools(body.get("tools")), template_kwargs(body.get("chat_template_kwargs"), extra)
+        )
+
     def question(self, body: dict[str, Any]) -> str | None:
         """The last message, when it is a user message with string content (a tool result or a
         multi-part message is not a question the embedder was made for)."""
@@ -137,6 +152,26 @@ class Completions(_Generation):
         if not isinstance(prompt, str):
             return PromptView((), "")
         return PromptView((prompt,), prompt)
+
+    def prompt_input(self, body: dict[str, Any], traits: TemplateTraits) -> TextInput:
+        """Each prompt tokenised as it is, special tokens added (vLLM's completions default)."""
+        prompt = body.get("prompt")
+        add_special = body.get("add_special_tokens", True)
+        if isinstance(prompt, str):
+            return TextInput((prompt,), add_special is not False)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return TextInput((tuple(prompt),))
+        if isinstance(prompt, list):
+            prompts: list[str | tuple[int, ...]] = []
+            for p in prompt:
+                if isinstance(p, str):
+                    prompts.append(p)
+                elif isinstance(p, list):
+                    prompts.append(tuple(p))
+                else:
+                    raise NotCountable("a prompt that is neither text nor token ids")
+            return TextInput(tuple(prompts), add_special is not False)
+        raise NotCountable("no prompt")
 
     def question(self, body: dict[str, Any]) -> str | None:
         """The one prompt string."""

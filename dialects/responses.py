@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from dialects import responses_chat
 from dialects.base import (
     CHARS_PER_TOKEN,
     TOKENS_PER_MESSAGE,
@@ -37,6 +38,7 @@ from dialects.base import (
     stream_flag,
     text_of,
 )
+from dialects.chat_input import ChatInput, TemplateTraits
 from dialects.envelopes import RESPONSES
 from dialects.responses_answers import RESPONSES_ANSWERS, responses_usage
 from dialects.stream import SseScanner, TypedEventScanner
@@ -122,6 +124,9 @@ class Responses(Dialect):
                 if role == "user":
                     instruction = text
         return PromptView(tuple(segments), instruction)
+
+    def prompt_input(self, body: dict[str, Any], traits: TemplateTraits) -> ChatInput:
+        return responses_chat.chat_input(body, traits)
 
     def upstream_body(self, call: Call, served_model: str) -> bytes:
         """Always rewritten: the served model, ``store: false``, no ``previous_response_id``."""

@@ -191,7 +191,7 @@ class Exchange:
                 again = prompt if isinstance(prompt, int) else 0
                 return total + sum(again + c.relayed_tokens for c in self.continued)
         if self.generated and self.parsed:
-            return self.call.prompt_tokens_estimate + self.generated
+            return self.call.prompt_tokens + self.generated
         return None
 
     def release(self, undo: Release) -> None:

@@ -26,7 +26,7 @@ def context_overflow(call: Call, max_model_len: int) -> BadRequest | None:
     count, so a prompt near the limit may be judged either way; the point is to refuse a
     request that plainly cannot fit before it takes a quota, a queue slot or a replica.
     """
-    prompt = call.prompt_tokens_estimate
+    prompt = call.prompt_tokens
     completion = call.max_tokens or 0
     if prompt + completion <= max_model_len:
         return None

@@ -31,7 +31,7 @@ class Admit:
     async def __call__(self, ex: Exchange, request: web.Request) -> Reply:
         call, tenant = ex.call, ex.tenant
         assert tenant is not None and ex.key_id is not None
-        reserve = reservation(call.prompt_tokens_estimate, call.max_tokens, tenant.limits, call.n)
+        reserve = reservation(call.prompt_tokens, call.max_tokens, tenant.limits, call.n)
         decision = await self.limiter.admit(Subject(tenant.id, ex.key_id, call.model), tenant.limits, reserve)
         ex.headers.update(decision.headers())
         if ex.timeline is not None:

@@ -38,7 +38,7 @@ def test_responses_body_prompt_and_estimate() -> None:
     call = RESPONSES_API.parse(orjson.dumps(body))
     assert (call.model, call.max_tokens, call.stream) == ("m", 9, False)
     chars = len("Be brief.") + len("What is 2+2?") + len('add{"a":2}') + 1 + len("Thanks")
-    assert call.prompt_tokens_estimate == (chars + 4 * TOKENS_PER_MESSAGE * CHARS_PER_TOKEN) // CHARS_PER_TOKEN
+    assert call.prompt_tokens == (chars + 4 * TOKENS_PER_MESSAGE * CHARS_PER_TOKEN) // CHARS_PER_TOKEN
     prompt = call.prompt
     assert prompt.instruction == "Thanks"
     assert prompt.segments[0] == f"system{ROLE_END}Be brief.{TURN_END}"
@@ -174,7 +174,7 @@ def test_anthropic_usage_counts_cache_reads_and_writes_as_prompt() -> None:
 def test_rerank_settles_on_its_total_tokens() -> None:
     rerank = RERANK[0]
     call = rerank.parse(b'{"model":"m","query":"abcd","documents":["efgh","ijkl"]}')
-    assert call.prompt_tokens_estimate == 3  # 12 characters
+    assert call.prompt_tokens == 3  # 12 characters
     assert rerank.usage({"usage": {"total_tokens": 17}}) == {
         "prompt_tokens": 17,
         "completion_tokens": 0,
@@ -185,7 +185,7 @@ def test_rerank_settles_on_its_total_tokens() -> None:
 
 
 def test_detokenize_wants_token_ids() -> None:
-    assert DETOKENIZE.parse(b'{"model":"m","tokens":[1,2,3]}').prompt_tokens_estimate == 3
+    assert DETOKENIZE.parse(b'{"model":"m","tokens":[1,2,3]}').prompt_tokens == 3
     with pytest.raises(InvalidBody):
         DETOKENIZE.parse(b'{"model":"m","tokens":[1,"x"]}')
 

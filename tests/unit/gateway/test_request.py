@@ -23,7 +23,7 @@ def test_chat_call_fields() -> None:
     assert call.client_wants_usage is True
     assert call.max_tokens == 7
     # 12 characters of content + 4 tokens of framing = (12 + 16) // 4 = 7
-    assert call.prompt_tokens_estimate == (12 + TOKENS_PER_MESSAGE * CHARS_PER_TOKEN) // CHARS_PER_TOKEN == 7
+    assert call.prompt_tokens == (12 + TOKENS_PER_MESSAGE * CHARS_PER_TOKEN) // CHARS_PER_TOKEN == 7
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
@@ -49,9 +49,9 @@ def test_served_model_rewritten() -> None:
 
 
 def test_completions_prompt_forms() -> None:
-    assert parse_call(COMPLETIONS, b'{"model":"m","prompt":"abcdefgh"}').prompt_tokens_estimate == 2
-    assert parse_call(COMPLETIONS, b'{"model":"m","prompt":["abcd","efgh"]}').prompt_tokens_estimate == 2
-    assert parse_call(COMPLETIONS, b'{"model":"m","prompt":[1,2,3]}').prompt_tokens_estimate == 3
+    assert parse_call(COMPLETIONS, b'{"model":"m","prompt":"abcdefgh"}').prompt_tokens == 2
+    assert parse_call(COMPLETIONS, b'{"model":"m","prompt":["abcd","efgh"]}').prompt_tokens == 2
+    assert parse_call(COMPLETIONS, b'{"model":"m","prompt":[1,2,3]}').prompt_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -123,13 +123,13 @@ def test_embeddings_cannot_stream() -> None:
 
 def test_tool_schemas_count_in_the_prompt_estimate() -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    plain = parse_call(CHAT, chat()).prompt_tokens_estimate
-    with_tools = parse_call(CHAT, chat(tools=tools)).prompt_tokens_estimate
+    plain = parse_call(CHAT, chat()).prompt_tokens
+    with_tools = parse_call(CHAT, chat(tools=tools)).prompt_tokens
     # 28 characters of messages (7 tokens) + the tools' 86 characters of JSON: 114 // 4 = 28
     assert len(orjson.dumps(tools)) == 86
     assert (plain, with_tools) == (7, 28)
     functions = [{"name": "f", "parameters": {}}]  # 30 characters of JSON
-    assert parse_call(CHAT, chat(functions=functions)).prompt_tokens_estimate == (28 + 30) // 4
+    assert parse_call(CHAT, chat(functions=functions)).prompt_tokens == (28 + 30) // 4
     with pytest.raises(BadRequest) as info:
         parse_call(CHAT, chat(tools={"type": "function"}))
     assert info.value.param == "tools"
@@ -158,7 +158,7 @@ def test_context_overflow_counts_the_prompt_estimate_and_max_tokens() -> None:
     # 400 characters: 100 tokens, + 4 for the message's framing.
     messages = [{"role": "user", "content": "x" * 400}]
     fits = parse_call(CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 96}))
-    assert fits.prompt_tokens_estimate == 104
+    assert fits.prompt_tokens == 104
     assert context_overflow(fits, 200) is None  # 104 + 96 = 200
     too_long = parse_call(CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 97}))
     err = context_overflow(too_long, 200)
