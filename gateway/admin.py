@@ -1,7 +1,8 @@
 """The admin API: look at the fleet, drain and undrain replicas (admin key required).
 
 GET  /admin/fleet                     every replica: state, its probe and how the last one went
-                                      (why it is down), load, scraped vLLM gauges
+                                      (why it is down), load, scraped vLLM gauges; per model,
+                                      whether prompt tokens are its tokenizer's or estimated
 POST /admin/replicas/{id}/drain       stop routing new requests to it; its streams still running
                                       after upstream.migrate_after_s continue on other replicas
 POST /admin/replicas/{id}/undrain     route to it again (once its probes pass)
@@ -36,12 +37,18 @@ class AdminApi:
     """
 
     def __init__(
-        self, fleet: Fleet, keyring: Callable[[], KeyRing], on_drain: Callable[[Replica], None] | None = None
+        self,
+        fleet: Fleet,
+        keyring: Callable[[], KeyRing],
+        on_drain: Callable[[Replica], None] | None = None,
+        models: Callable[[], dict[str, dict[str, Any]]] | None = None,
     ) -> None:
         self._fleet = fleet
         self._keyring = keyring
         # Told of each drained replica: its streams under way move to other replicas.
         self._on_drain = on_drain
+        # Per model: where its prompt tokens come from (tokens.counter.PromptCounter.describe).
+        self._models = models
 
     def _authorize(self, request: web.Request) -> None:
         keyring = self._keyring()
@@ -63,7 +70,10 @@ class AdminApi:
         fleet = self._fleet
         now = fleet.clock()
         replicas = [r.snapshot(now) for r in fleet.all()]
-        return web.json_response({"replicas": replicas, "healthy": fleet.healthy_count()})
+        body: dict[str, Any] = {"replicas": replicas, "healthy": fleet.healthy_count()}
+        if self._models is not None:
+            body["models"] = self._models()
+        return web.json_response(body)
 
     async def drain(self, request: web.Request) -> web.Response:
         replica = self._replica(request)

@@ -84,6 +84,7 @@ class Gateway:
         self.routing_metrics = RoutingMetrics(metrics.registry, settings.routing.policy)
         self.router = build.router(settings, self.fleet, self.routing_metrics, self.rng, clock)
         self.adapters = build.adapters(settings, self.fleet, self.proxy, clock)
+        self.counter = build.prompt_counter(settings, os.environ)
         self.pending = PendingTokens(m.name for m in settings.models)
         registry = metrics.registry
         registry.register(FleetCollector(self.fleet.all, clock, lambda: self.fleet.by_model))
@@ -101,6 +102,7 @@ class Gateway:
             routing_metrics=self.routing_metrics,
             responses=self.responses,
             adapters=self.adapters,
+            counter=self.counter,
             clock=clock,
         )
         self.endpoints = Endpoints(
@@ -255,7 +257,10 @@ def _add_probes(app: web.Application, gateway: Gateway) -> None:
 
 def _add_monitoring_routes(app: web.Application, gateway: Gateway) -> None:
     endpoints = gateway.endpoints
-    admin = AdminApi(gateway.fleet, lambda: gateway.admin_keyring, gateway.proxy.migrate)
+    models = [m.name for m in gateway.settings.models]
+    admin = AdminApi(
+        gateway.fleet, lambda: gateway.admin_keyring, gateway.proxy.migrate, lambda: gateway.counter.describe(models)
+    )
     metrics: Handler = endpoints.prometheus
     if gateway.settings.server.metrics_require_key:
         metrics = admin.guarded(endpoints.prometheus)
@@ -331,6 +336,7 @@ async def _lifecycle(app: web.Application) -> Any:
         gateway.router.close()  # requests still queued get their 503 now, not at their deadline
         await gateway.fleet.drain_all(settings.server.shutdown_grace_s)
         await gateway.parts.admit.finish_background(settings.server.shutdown_grace_s)
+        gateway.counter.close()
         gateway.access_log.flush()
 
 

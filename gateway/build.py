@@ -8,6 +8,7 @@ A component is handed only what it uses: a settings section, a frozen view of on
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from gateway.lora import AdapterLoader
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.responses_state import ResponseState
-from gateway.settings import ConfigError, Settings, TenantSettings, chunk_gaps
+from gateway.settings import ConfigError, ModelSettings, Settings, TenantSettings, chunk_gaps
 from gateway.stages import Stage
 from gateway.stages.admit import Admit
 from gateway.stages.classify import Classify, ModelRules
@@ -45,6 +46,10 @@ from routing.metrics import RoutingMetrics
 from routing.pool import PoolSpec
 from routing.router import Router
 from routing.static_head import StaticHeadError, load_static_head
+from tokens.counter import PromptCounter, TokenizerSpec
+from tokens.model_tokenizer import TokenizerError
+
+log = logging.getLogger("fleetgate")
 
 
 def redis_security(settings: Settings) -> RedisSecurity:
@@ -97,6 +102,46 @@ def response_state(
 ) -> ResponseState:
     store = create_response_store(settings.redis_url, settings.responses, security, clock=clock)
     return ResponseState(store, settings.responses, metrics)
+
+
+def prompt_counter(settings: Settings, env: Mapping[str, str]) -> PromptCounter:
+    """Each model's tokenizer (``models[].tokenizer``, else a managed vLLM replica's model),
+    loaded now; one configured but unreadable is a ``ConfigError``."""
+    try:
+        return PromptCounter.load([_tokenizer_spec(m, env) for m in settings.models])
+    except TokenizerError as exc:
+        raise ConfigError(f"models[].tokenizer: {exc}") from exc
+
+
+def _tokenizer_spec(model: ModelSettings, env: Mapping[str, str]) -> TokenizerSpec:
+    if model.tokenizer == "none":
+        return TokenizerSpec(model.name, None, explicit=False)
+    if model.tokenizer is not None:
+        return TokenizerSpec(model.name, model.tokenizer, explicit=True, env=env)
+    for replica in model.replicas:
+        if replica.engine != "vllm" or replica.model_path is None:
+            continue
+        args = replica.args
+        if "--chat-template" in args or any(a.startswith("--chat-template=") for a in args):
+            log.warning(
+                "the replicas render another chat template (--chat-template): prompt tokens are estimated; "
+                "set models[].tokenizer to a directory holding that template to count them",
+                extra={"model": model.name},
+            )
+            return TokenizerSpec(model.name, None, explicit=False)
+        reference = _arg(args, "--tokenizer") or replica.model_path
+        return TokenizerSpec(model.name, reference, explicit=False, env={**env, **replica.env})
+    return TokenizerSpec(model.name, None, explicit=False)
+
+
+def _arg(args: list[str], name: str) -> str | None:
+    """The value of ``name`` in a command line (``--name V`` or ``--name=V``)."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1 :]
+    return None
 
 
 def limiter(settings: Settings, metrics: GatewayMetrics, security: RedisSecurity) -> Limiter:
@@ -163,11 +208,12 @@ class PathParts:
         routing_metrics: RoutingMetrics,
         responses: ResponseState,
         adapters: AdapterLoader,
+        counter: PromptCounter,
         clock: Callable[[], float],
     ) -> None:
         self.parse = Parse(BodyLimits.from_settings(settings.server))
         self.classify = Classify(
-            ModelRules.from_settings(settings), router, fleet, adapters.catalog, pending, cache, clock
+            ModelRules.from_settings(settings), router, fleet, adapters.catalog, pending, cache, counter, clock
         )
         self.admit = Admit(limiter, clock)
         self.look_up_cache = LookUpCache(cache, settings.upstream, clock)

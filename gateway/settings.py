@@ -172,6 +172,10 @@ class ModelSettings(_Frozen):
     replicas: list[ReplicaSettings] = Field(min_length=1)
     # Context window, used to reject prompts that cannot fit (None: the replica decides).
     max_model_len: int | None = Field(None, gt=0)
+    # Where the model's tokenizer and chat template are (a directory, or a model id in the
+    # Hugging Face cache) so prompt tokens are counted as the replica counts them; "none":
+    # estimated from characters. Unset: a managed vLLM replica's model_path, if any (tokens/).
+    tokenizer: str | None = Field(None, min_length=1)
     # Models tried, in order, when no replica of this one can serve (down, or every attempt failed).
     fallback: list[str] = []
     # Per replica; unset: routing.capacity.

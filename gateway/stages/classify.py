@@ -20,6 +20,7 @@ from replicas.fleet import Fleet
 from routing.adapters import AdapterCatalog
 from routing.router import Router
 from routing.tiers import TierChoice
+from tokens.counter import PromptCounter
 
 log = logging.getLogger("fleetgate.routing")
 
@@ -54,7 +55,9 @@ class Classify:
     ``auto`` (and the tenant's ``classify_models``) is classified into a tier, served by
     that tier's model; the ``x-fleetgate-tier`` request header forces a tier where the
     tenant allows it. When no model serves a routing tier, ``auto`` is ``default_model``.
-    A prompt that cannot fit the model's ``max_model_len`` stops here. The route's pools
+    The prompt's tokens are counted with the model's tokenizer, where it has one
+    (``tokens``), so the context-length check, admission and routing read the replica's
+    count. A prompt that cannot fit the model's ``max_model_len`` stops here. The route's pools
     hear of the request's end (their next waiting request goes), and its tokens leave the
     model's pending gauge, when the path ends.
     """
@@ -69,6 +72,7 @@ class Classify:
         adapters: AdapterCatalog,
         pending: PendingTokens,
         cache: ResponseCache,
+        counter: PromptCounter,
         clock: Callable[[], float],
     ) -> None:
         self.rules = rules
@@ -77,6 +81,7 @@ class Classify:
         self.adapters = adapters
         self.pending = pending
         self.cache = cache
+        self.counter = counter
         self.clock = clock
         self._warned_mismatch = False
 
@@ -104,15 +109,15 @@ class Classify:
                 param="model",
             )
         ex.model, ex.pool = ex.adapter or model, model
+        # The model's tokenizer counts the prompt (where it has one) before anything reads it.
+        await self.counter.count(model, call)
         limit = self.rules.max_model_len.get(model)
         if limit is not None:
             too_long = context_overflow(call, limit)
             if too_long is not None:
                 return too_long
         session = self._session(ex, request)
-        route = self.router.route(
-            model, call.prompt, call.prompt_tokens_estimate, call.max_tokens, choice, tenant.id, session
-        )
+        route = self.router.route(model, call.prompt, call.prompt_tokens, call.max_tokens, choice, tenant.id, session)
         route.adapter = ex.adapter
         ex.route = route
         cost, pending = route.cost, self.pending
