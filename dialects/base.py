@@ -21,9 +21,10 @@ if TYPE_CHECKING:
     from dialects.envelopes import AnthropicErrors
     from dialects.stream import SseScanner
 
-# Prompt tokens are estimated before any tokenizer runs: ~4 characters per token on
-# English text (OpenAI's rule of thumb). Only used for reservations and routing; the
-# replica's own `usage` settles the real count.
+# Prompt tokens are estimated when the body is parsed: ~4 characters per token on English
+# text (OpenAI's rule of thumb). The model's tokenizer replaces the estimate where one is
+# configured (tokens/); otherwise it serves the context check, reservations and routing,
+# and the replica's own `usage` settles the real count.
 CHARS_PER_TOKEN = 4
 # Per-message framing (role tags, separators) in chat templates, in tokens.
 TOKENS_PER_MESSAGE = 4

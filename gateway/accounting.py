@@ -92,6 +92,9 @@ class Accounting:
         if ex.parsed:
             entry["stream"] = ex.call.stream
             entry["attempts"] = ex.attempts
+            # What limits and routing took the prompt to be, beside the replica's usage below.
+            entry["prompt_tokens_gateway"] = ex.call.prompt_tokens
+            entry["prompt_tokens_source"] = "tokenizer" if ex.call.prompt_tokens_counted else "estimate"
             if ex.route is not None:
                 ex.route.annotate(entry)
             if ex.replica is not None:

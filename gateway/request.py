@@ -19,12 +19,13 @@ def parse_call(dialect: Dialect, raw: bytes, content_type: str | None = None) ->
 
 
 def context_overflow(call: Call, max_model_len: int) -> BadRequest | None:
-    """OpenAI's 400 ``context_length_exceeded`` when the prompt (estimated) and ``max_tokens``
-    cannot fit in a context of ``max_model_len`` tokens; None when they may.
+    """OpenAI's 400 ``context_length_exceeded`` when the prompt and ``max_tokens`` cannot fit
+    in a context of ``max_model_len`` tokens; None when they may.
 
-    The prompt's size is the gateway's estimate (``CHARS_PER_TOKEN``), not a tokenizer's
-    count, so a prompt near the limit may be judged either way; the point is to refuse a
-    request that plainly cannot fit before it takes a quota, a queue slot or a replica.
+    The prompt's size is the model's tokenizer's count where it has one (``tokens``): the
+    replica's own. Otherwise it is the estimate (``CHARS_PER_TOKEN``), so a prompt near the
+    limit may be judged either way; the point is then to refuse a request that plainly
+    cannot fit before it takes a quota, a queue slot or a replica.
     """
     prompt = call.prompt_tokens
     completion = call.max_tokens or 0
@@ -32,9 +33,10 @@ def context_overflow(call: Call, max_model_len: int) -> BadRequest | None:
         return None
     param = call.dialect.prompt_param
     where = "messages" if param == "messages" else "prompt"
+    about = "" if call.prompt_tokens_counted else "about "
     return BadRequest(
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"about {prompt + completion} tokens ({prompt} in the {where}, {completion} in the completion). "
+        f"{about}{prompt + completion} tokens ({prompt} in the {where}, {completion} in the completion). "
         f"Please reduce the length of the {where} or completion.",
         code="context_length_exceeded",
         param=param,

@@ -166,6 +166,8 @@ def _refuses_inline_system(source: str) -> bool:
         env.from_string(source).render(messages=turns, add_generation_prompt=False)
     except jinja2.TemplateError:
         return True
+    except Exception:  # vLLM would not start on such a template; nothing to learn from it
+        return False
     return False
 
 
