@@ -102,19 +102,17 @@ class ChatTemplate:
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", False))
         continue_final = kwargs.pop("continue_final_message", False)
         documents = kwargs.pop("documents", None)
-        variables = {k: v for k, v in kwargs.items() if k in self.variables}
+        variables = {**special_tokens, **{k: v for k, v in kwargs.items() if k in self.variables}}
+        variables.update(
+            messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt
+        )
         final_text: str | None = None
         if continue_final:
-            messages, final_text = _tag_final(messages, self.source)
+            variables["messages"], final_text = _tag_final(messages, self.source)
+        template = self._template
         try:
-            rendered = self._template.render(
-                **special_tokens,
-                **variables,
-                messages=messages,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-            )
+            # Template.render without its copies of the variables: the request path renders every prompt.
+            rendered = "".join(template.root_render_func(template.new_context(variables)))
         except Exception as exc:  # a template raises what it likes (raise_exception, a type error)
             raise TemplateError(f"the chat template refused the conversation: {exc}") from exc
         if final_text is not None:
