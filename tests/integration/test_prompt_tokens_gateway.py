@@ -71,7 +71,7 @@ def test_a_configured_tokenizer_that_cannot_be_read_stops_the_start(tmp_path: Pa
     settings = Settings(
         models=[{"name": MODEL, "replicas": [{"url": "http://127.0.0.1:1"}], "tokenizer": str(tmp_path / "nowhere")}]
     )
-    with pytest.raises(ConfigError, match="models\\[\\].tokenizer: model 'm'"):
+    with pytest.raises(ConfigError, match=r"models\[\]\.tokenizer: model 'm'"):
         build.prompt_counter(settings, {})
 
 
