@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from dialects.base import Dialect
 from dialects.chat_input import ChatInput, NotCountable, TemplateTraits, TextInput
 from tokens.conversation import conversation
+from tokens.segments import SegmentCounter
 from tokens.template import ChatTemplate, TemplateError
 
 # The special tokens transformers hands every template as variables (SPECIAL_TOKENS_ATTRIBUTES).
@@ -46,6 +47,9 @@ class ModelTokenizer:
     templates: dict[str, ChatTemplate]
     special_tokens: dict[str, str]
     traits: TemplateTraits
+    # Chat prompts counted piece by piece between special tokens, the pieces' counts kept
+    # (None: this tokenizer's added tokens do not cut text cleanly; prompts encoded whole).
+    segments: SegmentCounter | None = None
 
     @classmethod
     def load(cls, directory: Path) -> ModelTokenizer:
@@ -66,7 +70,8 @@ class ModelTokenizer:
         if not templates:
             raise TokenizerError(f"{directory} has no chat template (chat_template.jinja or tokenizer_config.json)")
         partial = cls(directory, tokenizer, templates, special, TemplateTraits())
-        return cls(directory, tokenizer, templates, special, partial._traits())
+        segments = SegmentCounter.for_tokenizer(tokenizer)
+        return cls(directory, tokenizer, templates, special, partial._traits(), segments)
 
     def template(self, tools: list[dict[str, Any]] | None) -> ChatTemplate:
         """The template vLLM picks: ``tool_use`` for a request with tools where there is one,
@@ -87,7 +92,8 @@ class ModelTokenizer:
             texts = [p for p in prompt.prompts if isinstance(p, str)]
             return ids + self.encoded_length(texts, prompt.add_special_tokens)
         if isinstance(prompt, ChatInput):
-            return self.encoded_length([self.render(prompt)], False)
+            text = self.render(prompt)
+            return self.segments.count(text) if self.segments is not None else self.encoded_length([text], False)
         raise NotCountable(f"{dialect.name} has no prompt to count")
 
     def encoded_length(self, texts: list[str], add_special_tokens: bool) -> int:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
+from capacity.workload import make_text
 from dialects.anthropic import MESSAGES
 from dialects.chat_input import NotCountable, TemplateTraits
 from dialects.openai import CHAT, COMPLETIONS
@@ -20,6 +22,7 @@ from dialects.responses import RESPONSES_API
 from tokens.conversation import conversation
 from tokens.counter import PromptCounter, TokenizerSpec
 from tokens.model_tokenizer import ModelTokenizer, TokenizerError
+from tokens.segments import SegmentCounter
 from tokens.template import ChatTemplate, TemplateError
 
 CHATML = (
@@ -380,3 +383,27 @@ def test_a_model_id_is_found_in_the_hugging_face_cache(tmp_path: Path) -> None:
         [TokenizerSpec("m", "org/tiny", explicit=True, env={"HF_HUB_CACHE": str(tmp_path / "hub")})]
     )
     assert counter.describe(["m"])["m"]["tokenizer"] == str(repo / "snapshots" / "abc123")
+
+
+def test_counting_piece_by_piece_between_special_tokens_is_exact(tmp_path: Path) -> None:
+    """The tiny test model's byte-level BPE when it is there, else a word-level one: every
+    text's count through the remembered pieces equals encoding it whole, hits and misses."""
+    path = Path(__file__).resolve().parents[3] / ".cache" / "tiny-llama" / "tokenizer.json"
+    if not path.exists():
+        path = tiny_model(tmp_path / "m") / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    start, end = "<|im_start|>", "<|im_end|>"
+    segments = SegmentCounter.for_tokenizer(tokenizer)
+    assert segments is not None
+    rng = random.Random(3)
+    system = make_text(300, rng, tag="sys")
+    for i in range(60):
+        turns = "".join(f"{start}user\n{make_text(rng.randint(1, 200), rng)}{end}\n" for _ in range(rng.randint(0, 3)))
+        text = f"{start}system\n{system}{end}\n{turns}{start}assistant\n" + (" x" * (i % 3))
+        assert segments.count(text) == len(tokenizer.encode(text, add_special_tokens=False)), text
+
+
+def test_a_tokenizer_whose_added_tokens_take_spaces_is_encoded_whole() -> None:
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    tokenizer.add_special_tokens([AddedToken("<x>", lstrip=True)])
+    assert SegmentCounter.for_tokenizer(tokenizer) is None
