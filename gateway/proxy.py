@@ -660,7 +660,8 @@ class Proxy:
         """``replica`` is drained or leaves the fleet: its streams still running after
         ``upstream.migrate_after_s`` are moved to other replicas (each one's connection is
         closed, and its relay continues it elsewhere), instead of being waited for to their
-        end. A stream that cannot be continued is cut, as a failed replica's would be."""
+        end. A stream that cannot be continued, or that no other replica can take, is left
+        to finish where it is (a restart's grace then bounds it: ``Fleet.restart``)."""
         if not self.settings.max_continuations:
             return
         loop = asyncio.get_running_loop()
