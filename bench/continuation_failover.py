@@ -17,6 +17,10 @@ own core (``VLLM_CPU_OMP_THREADS_BIND`` 0 and 1), and runs, on that one gateway:
   then it is undrained and, once healthy again, B gets the same (a rolling restart).
 - ``drain-both``: both replicas drained at once, nowhere to move their streams to: they
   should finish where they are.
+- ``restart``: a rolling restart, each replica in turn restarted by
+  ``POST /admin/replicas/{id}/restart`` while 16 streams of 3000-3500 tokens are kept running
+  (a new one as one ends) until both serve again: no stream may be cut, and each old process
+  should be gone seconds after the call, whatever the streams' length.
 - ``kill-messages``, ``kill-responses``: ``kill`` for ``/v1/messages`` and ``/v1/responses``.
 
 For every stream the usage's completion tokens the client received are compared with the
@@ -78,7 +82,9 @@ HEALTH = {
     "progress_window_s": 2.0,
     "start_timeout_s": READY_TIMEOUT_S,
 }
-SCENARIOS = ("kill", "stop", "drain", "drain-both", "kill-messages", "kill-responses")
+SCENARIOS = ("kill", "stop", "drain", "drain-both", "restart", "kill-messages", "kill-responses")
+# The rolling restart's streams: long enough to outlast a drain many times over.
+RESTART_STREAM_TOKENS = (3000, 3500)
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
 WORDS = "the fleet serves tokens while a gateway routes each request to a warm replica".split()
 LOGGED = ("continued", "moved", "down", "cut", "restart", "exited", "drain", "stall", "budget", "retry")
@@ -464,6 +470,11 @@ async def failure_scenario(
     refs = await asyncio.gather(
         *(one_stream(session, gw.url, api, f"{name}-ref-{i}", p, m, False) for i, (p, m) in enumerate(requests))
     )
+    # The engine's own repeatability: the same uninterrupted run again, compared with the first.
+    again = await asyncio.gather(
+        *(one_stream(session, gw.url, api, f"{name}-again-{i}", p, m, False) for i, (p, m) in enumerate(requests))
+    )
+    repeat_equal = sum(a.text == r.text for a, r in zip(again, refs, strict=True))
     await gw.wait_healthy(session)
     before = await gw.metrics(session)
     firsts = [asyncio.Event() for _ in requests]
@@ -506,6 +517,7 @@ async def failure_scenario(
             "failure_at_s": t_fail - t0,
             "took_s": took,
             "healthy_again_after_s": recovered,
+            "repeat_equal": repeat_equal,
         },
         refs=refs,
         t_fail=t_fail,
@@ -682,6 +694,65 @@ async def drain_both_scenario(gw: Gateway, session: aiohttp.ClientSession, args:
     return finish_scenario(gw, "drain-both", streams, before, after, extra={"held_at_drain": held, "took_s": took})
 
 
+async def restart_scenario(gw: Gateway, session: aiohttp.ClientSession, args: argparse.Namespace) -> dict[str, Any]:
+    """A rolling restart: each replica in turn restarted (``POST /admin/replicas/{id}/restart``:
+    drained, stopped, started again) while ``args.streams`` streams are kept running the whole
+    time, a new one starting as one ends, until both replicas serve again. Per restart: how
+    long from the call until the old process was gone (its streams moved, it stopped), and
+    until the new one was healthy."""
+    lo, hi = RESTART_STREAM_TOKENS
+    requests = plan_requests(args.seed + 3, 4 * args.streams, lo, hi)
+    await gw.wait_healthy(session)
+    before = await gw.metrics(session)
+    t0 = time.monotonic()
+    rolling = True
+    streams: list[Stream] = []
+    numbers = itertools.count()
+
+    async def keep_one() -> None:
+        while rolling:
+            i = next(numbers)
+            prompt, max_tokens = requests[i % len(requests)]
+            streams.append(await one_stream(session, gw.url, "chat", f"restart-{i}", prompt, max_tokens, True))
+
+    workers = [asyncio.create_task(keep_one()) for _ in range(args.streams)]
+    await asyncio.sleep(5.0)  # every stream under way
+    restarts = []
+    for rid in sorted(await gw.fleet(session)):
+        fleet = await gw.fleet(session)
+        held = {k: r["outstanding_requests"] for k, r in fleet.items()}
+        pid = fleet[rid]["pid"]
+        t = time.monotonic()
+        async with session.post(f"{gw.url}/admin/replicas/{rid}/restart", headers=gw.admin()) as resp:
+            status = resp.status
+        stopped_after = healthy_after = None
+        while time.monotonic() - t < READY_TIMEOUT_S:
+            now = (await gw.fleet(session))[rid]
+            if stopped_after is None and now["pid"] != pid:
+                stopped_after = time.monotonic() - t
+            if now["pid"] != pid and now["state"] == "healthy":
+                healthy_after = time.monotonic() - t
+                break
+            await asyncio.sleep(0.1)
+        restarts.append(
+            {
+                "replica": rid,
+                "status": status,
+                "held_at_restart": held,
+                "at_s": t - t0,
+                "stopped_after_s": stopped_after,
+                "healthy_after_s": healthy_after,
+            }
+        )
+        print(f"[restart] {rid}: held {held}, stopped after {stopped_after}, healthy after {healthy_after}", flush=True)
+    rolling = False
+    await asyncio.gather(*workers)
+    took = time.monotonic() - t0
+    await asyncio.sleep(1.0)
+    after = await gw.metrics(session)
+    return finish_scenario(gw, "restart", streams, before, after, extra={"restarts": restarts, "took_s": took})
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     model_dir = build_tiny_model()
@@ -703,6 +774,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                             r = await drain_scenario(gw, session, args)
                         elif name == "drain-both":
                             r = await drain_both_scenario(gw, session, args)
+                        elif name == "restart":
+                            r = await restart_scenario(gw, session, args)
                         elif name in ("kill-messages", "kill-responses"):
                             api = name.split("-")[1]
                             r = await failure_scenario(gw, session, name, api, signal.SIGKILL, args)
@@ -720,6 +793,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results["gateway_log"] = [line for line in logged if any(w in str(line.get("msg")) for w in LOGGED)]
     results["took_s"] = time.monotonic() - started
     return results
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
 
 
 def _bar(ok: bool) -> str:
@@ -796,6 +873,11 @@ def report(results: dict[str, Any]) -> str:
             lines.append(
                 f"- bar, text equal to the uninterrupted answer >= 14 of 16: {r['equal']}: {_bar(r['equal'] >= 14)}"
             )
+            if "repeat_equal" in r:
+                lines.append(
+                    f"- the engine's own repeatability: the uninterrupted run made again, {r['repeat_equal']} of "
+                    f"{n} texts equal to the first run's"
+                )
             if "causes" in r:
                 engine = r["causes"]["engine"]
                 lines.append(
@@ -828,6 +910,13 @@ def report(results: dict[str, Any]) -> str:
                 lines.append(
                     f"- drained `{d['replica']}` at {d['at_s']:.1f} s holding {d['held_at_drain']}: held no "
                     f"stream after {empty}; routable again {d['healthy_after_undrain_s']:.2f} s after its undrain"
+                )
+            for d in r.get("restarts", []):
+                lines.append(
+                    f"- restarted `{d['replica']}` at {d['at_s']:.1f} s (HTTP {d['status']}) holding "
+                    f"{d['held_at_restart']}: its old process gone (streams moved, stopped) "
+                    f"{_seconds(d['stopped_after_s'])} after the call, the new one healthy after "
+                    f"{_seconds(d['healthy_after_s'])}"
                 )
             lines.append(f"- bar, 0 streams cut ({r['cut']}): {_bar(r['cut'] == 0)}; whole {r['whole']}/{n}")
             lines += [
