@@ -543,6 +543,9 @@ class Proxy:
         the partial text overcounts wherever it re-tokenises differently.)"""
         old = leg.claim.replica
         plan = leg.plan()
+        # The stream runs there no more: the replica's load, and a drain or restart waiting
+        # for it to empty, end now, not when the continuation's first token comes.
+        self._close_leg(leg)
         # Not the replica it leaves, nor one that refused the continuation just now; a replica
         # the stream left before is a candidate again (undrained after a rolling restart).
         exclude = {old.id}
@@ -581,7 +584,6 @@ class Proxy:
                 "stream continued on another replica",
                 extra={"request_id": ex.request_id, "from": old.id, "to": replica.id, "reason": cut.reason},
             )
-            self._close_leg(leg)
             leg.claim, leg.upstream, leg.splice, leg.migrating = claim, upstream, _splicer(plan), False
             claim.prefilled()
             replica.last_progress_at = self.clock()
