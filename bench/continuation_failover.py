@@ -884,6 +884,14 @@ def report(results: dict[str, Any]) -> str:
                     f"- where they differ: {r['causes']} (causes: `divergence_cause`); equal where the engine "
                     f"itself did not diverge: {r['equal']} of {n - engine}"
                 )
+                invalid = sum("\ufffd" in s["text"] for s in streams)
+                after_cut = [s for s in streams if s.get("cause") in ("continuation", "longer")]
+                held = sum("\ufffd" in s["text"][: s["chars_at_failure"] + 1] for s in after_cut)
+                lines.append(
+                    f"- texts holding U+FFFD (bytes the tiny random model emits that are no UTF-8, which "
+                    f"re-tokenise to other tokens): {invalid} of {n}; of the {len(after_cut)} that differ at "
+                    f"or after the cut, {held} held one in the text relayed before it"
+                )
             lines += [
                 "",
                 "| stream | replica | max_tokens | continued | cut | whole | usage | text tokens | longest gap (s) "
