@@ -17,6 +17,10 @@ own core (``VLLM_CPU_OMP_THREADS_BIND`` 0 and 1), and runs, on that one gateway:
   then it is undrained and, once healthy again, B gets the same (a rolling restart).
 - ``drain-both``: both replicas drained at once, nowhere to move their streams to: they
   should finish where they are.
+- ``restart``: a rolling restart, each replica in turn restarted by
+  ``POST /admin/replicas/{id}/restart`` while 16 streams of 3000-3500 tokens are kept running
+  (a new one as one ends) until both serve again: no stream may be cut, and each old process
+  should be gone seconds after the call, whatever the streams' length.
 - ``kill-messages``, ``kill-responses``: ``kill`` for ``/v1/messages`` and ``/v1/responses``.
 
 For every stream the usage's completion tokens the client received are compared with the
@@ -62,12 +66,11 @@ from replicas.launcher import free_port, group_members
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "continuation-failover.md"
-RAW = RESULTS.with_suffix(".json")
 PARTIAL = Path(tempfile.gettempdir()) / "continuation-failover.partial.json"
 MODEL = "tiny"
 API_KEY = "sk-failover-bench"
 ADMIN_KEY = "sk-failover-bench-admin"
-VLLM_ARGS = ["--max-model-len", "4096", "--enforce-eager", "--dtype", "bfloat16"]
+VLLM_ARGS = ["--max-model-len", "4096", "--enforce-eager"]
 READY_TIMEOUT_S = 400.0
 CLIENT_TIMEOUT_S = 400.0
 CHUNK_GAP_S = 4.0
@@ -79,7 +82,9 @@ HEALTH = {
     "progress_window_s": 2.0,
     "start_timeout_s": READY_TIMEOUT_S,
 }
-SCENARIOS = ("kill", "stop", "drain", "drain-both", "kill-messages", "kill-responses")
+SCENARIOS = ("kill", "stop", "drain", "drain-both", "restart", "kill-messages", "kill-responses")
+# The rolling restart's streams: long enough to outlast a drain many times over.
+RESTART_STREAM_TOKENS = (3000, 3500)
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
 WORDS = "the fleet serves tokens while a gateway routes each request to a warm replica".split()
 LOGGED = ("continued", "moved", "down", "cut", "restart", "exited", "drain", "stall", "budget", "retry")
@@ -149,14 +154,14 @@ class Stream:
         return faults
 
 
-def gateway_config(port: int, model_dir: Path) -> dict[str, Any]:
+def gateway_config(port: int, model_dir: Path, dtype: str) -> dict[str, Any]:
     def replica(core: int) -> dict[str, Any]:
         return {
             "engine": "vllm",
             "count": 1,
             "python": str(VLLM_PYTHON),
             "model_path": str(model_dir),
-            "args": VLLM_ARGS,
+            "args": [*VLLM_ARGS, "--dtype", dtype],
             "env": {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)},
         }
 
@@ -221,9 +226,9 @@ class Gateway:
 
 
 @contextlib.contextmanager
-def gateway(workdir: Path, port: int, model_dir: Path) -> Iterator[Gateway]:
+def gateway(workdir: Path, port: int, model_dir: Path, dtype: str) -> Iterator[Gateway]:
     config = workdir / "config.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(port, model_dir)))
+    config.write_text(yaml.safe_dump(gateway_config(port, model_dir, dtype)))
     gw = Gateway(workdir, port)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     with (workdir / "access.log").open("wb") as out, (workdir / "gateway.log").open("wb") as err:
@@ -424,6 +429,29 @@ def read_json_lines(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def divergence_cause(row: dict[str, Any], continued: bool) -> str:
+    """Why a stream's text differs from its uninterrupted answer, as far as the client can tell.
+
+    - ``engine``: it differs where no continuation was involved: a stream that was never
+      continued (its replica's batch changed when the failed replica's streams arrived), or
+      one that diverged before its replica failed (greedy decoding on CPU varies with the
+      batch it runs in);
+    - ``longer``: the uninterrupted answer is a prefix of it: the continuation was given more
+      tokens than were left (the tokens relayed before the cut were undercounted: the
+      engine sends several tokens in one event when its reader falls behind);
+    - ``continuation``: it diverges at or after the cut: re-tokenising the partial text
+      changed its tokens, or the new replica's own numerics.
+    """
+    at = row["diverges_at"]
+    if at is None:
+        return "-"
+    if not continued or at < row.get("chars_at_failure", 0):
+        return "engine"
+    if at == row["ref_chars"] and row["chars"] > at:
+        return "longer"
+    return "continuation"
+
+
 def diverge_at(a: str, b: str) -> int | None:
     if a == b:
         return None
@@ -442,6 +470,11 @@ async def failure_scenario(
     refs = await asyncio.gather(
         *(one_stream(session, gw.url, api, f"{name}-ref-{i}", p, m, False) for i, (p, m) in enumerate(requests))
     )
+    # The engine's own repeatability: the same uninterrupted run again, compared with the first.
+    again = await asyncio.gather(
+        *(one_stream(session, gw.url, api, f"{name}-again-{i}", p, m, False) for i, (p, m) in enumerate(requests))
+    )
+    repeat_equal = sum(a.text == r.text for a, r in zip(again, refs, strict=True))
     await gw.wait_healthy(session)
     before = await gw.metrics(session)
     firsts = [asyncio.Event() for _ in requests]
@@ -484,6 +517,7 @@ async def failure_scenario(
             "failure_at_s": t_fail - t0,
             "took_s": took,
             "healthy_again_after_s": recovered,
+            "repeat_equal": repeat_equal,
         },
         refs=refs,
         t_fail=t_fail,
@@ -531,6 +565,7 @@ def finish_scenario(
             row["ref_text"] = ref.text
             row["equal"] = s.text == ref.text
             row["diverges_at"] = diverge_at(s.text, ref.text)
+            row["cause"] = divergence_cause(row, bool(row["continued"]))
             row["ref_usage"] = ref.usage_completion[-1] if ref.usage_completion else None
         per.append(row)
     client_sum = sum(r["usage_client"] or 0 for r in per)
@@ -554,6 +589,7 @@ def finish_scenario(
     }
     if refs is not None:
         result["equal"] = sum(r["equal"] for r in per)
+        result["causes"] = {c: sum(r["cause"] == c for r in per) for c in ("engine", "longer", "continuation")}
     print(
         f"[{name}] whole {result['whole']}/{len(per)}, cut {result['cut']}, continued {result['continued']}, "
         f"equal {result.get('equal', '-')}, usage match {result['usage_match']}, "
@@ -658,6 +694,65 @@ async def drain_both_scenario(gw: Gateway, session: aiohttp.ClientSession, args:
     return finish_scenario(gw, "drain-both", streams, before, after, extra={"held_at_drain": held, "took_s": took})
 
 
+async def restart_scenario(gw: Gateway, session: aiohttp.ClientSession, args: argparse.Namespace) -> dict[str, Any]:
+    """A rolling restart: each replica in turn restarted (``POST /admin/replicas/{id}/restart``:
+    drained, stopped, started again) while ``args.streams`` streams are kept running the whole
+    time, a new one starting as one ends, until both replicas serve again. Per restart: how
+    long from the call until the old process was gone (its streams moved, it stopped), and
+    until the new one was healthy."""
+    lo, hi = RESTART_STREAM_TOKENS
+    requests = plan_requests(args.seed + 3, 4 * args.streams, lo, hi)
+    await gw.wait_healthy(session)
+    before = await gw.metrics(session)
+    t0 = time.monotonic()
+    rolling = True
+    streams: list[Stream] = []
+    numbers = itertools.count()
+
+    async def keep_one() -> None:
+        while rolling:
+            i = next(numbers)
+            prompt, max_tokens = requests[i % len(requests)]
+            streams.append(await one_stream(session, gw.url, "chat", f"restart-{i}", prompt, max_tokens, True))
+
+    workers = [asyncio.create_task(keep_one()) for _ in range(args.streams)]
+    await asyncio.sleep(5.0)  # every stream under way
+    restarts = []
+    for rid in sorted(await gw.fleet(session)):
+        fleet = await gw.fleet(session)
+        held = {k: r["outstanding_requests"] for k, r in fleet.items()}
+        pid = fleet[rid]["pid"]
+        t = time.monotonic()
+        async with session.post(f"{gw.url}/admin/replicas/{rid}/restart", headers=gw.admin()) as resp:
+            status = resp.status
+        stopped_after = healthy_after = None
+        while time.monotonic() - t < READY_TIMEOUT_S:
+            now = (await gw.fleet(session))[rid]
+            if stopped_after is None and now["pid"] != pid:
+                stopped_after = time.monotonic() - t
+            if now["pid"] != pid and now["state"] == "healthy":
+                healthy_after = time.monotonic() - t
+                break
+            await asyncio.sleep(0.1)
+        restarts.append(
+            {
+                "replica": rid,
+                "status": status,
+                "held_at_restart": held,
+                "at_s": t - t0,
+                "stopped_after_s": stopped_after,
+                "healthy_after_s": healthy_after,
+            }
+        )
+        print(f"[restart] {rid}: held {held}, stopped after {stopped_after}, healthy after {healthy_after}", flush=True)
+    rolling = False
+    await asyncio.gather(*workers)
+    took = time.monotonic() - t0
+    await asyncio.sleep(1.0)
+    after = await gw.metrics(session)
+    return finish_scenario(gw, "restart", streams, before, after, extra={"restarts": restarts, "took_s": took})
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     model_dir = build_tiny_model()
@@ -665,7 +760,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"scenarios": []}
     with tempfile.TemporaryDirectory(prefix="failover-vllm-") as tmp:
         workdir = Path(tmp)
-        with gateway(workdir, port, model_dir) as gw:
+        with gateway(workdir, port, model_dir, args.dtype) as gw:
             async with aiohttp.ClientSession() as session:
                 results["ready_s"] = await gw.wait_healthy(session)
                 print(f"[failover] both replicas healthy after {results['ready_s']:.0f} s", flush=True)
@@ -679,6 +774,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                             r = await drain_scenario(gw, session, args)
                         elif name == "drain-both":
                             r = await drain_both_scenario(gw, session, args)
+                        elif name == "restart":
+                            r = await restart_scenario(gw, session, args)
                         elif name in ("kill-messages", "kill-responses"):
                             api = name.split("-")[1]
                             r = await failure_scenario(gw, session, name, api, signal.SIGKILL, args)
@@ -698,6 +795,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
+
+
 def _bar(ok: bool) -> str:
     return "pass" if ok else "**FAIL**"
 
@@ -705,18 +806,20 @@ def _bar(ok: bool) -> str:
 def report(results: dict[str, Any]) -> str:
     """The results page: method, figures and bars per scenario (the raw data: the .json)."""
     args = results["args"]
+    dtype = args.get("dtype", "bfloat16")
+    out = f" --out {args['out']}" if args.get("out") else ""
     lines = [
         "# Streams that outlive their replica, on real vLLM (CPU)",
         "",
         f"`flock /tmp/vllm.lock .venv/bin/python bench/continuation_failover.py --scenarios {args['scenarios']} "
-        f"--streams {args['streams']} --seed {args['seed']}` at {results['commit']}, on {results['cpu']} "
-        f"({results['cores']} cores); {results['took_s']:.0f} s in all (replicas healthy after "
-        f"{results['ready_s']:.0f} s). Per-stream data: `continuation-failover.json`.",
+        f"--streams {args['streams']} --seed {args['seed']} --dtype {dtype}{out}` at {results['commit']}, "
+        f"on {results['cpu']} ({results['cores']} cores); {results['took_s']:.0f} s in all (replicas healthy "
+        f"after {results['ready_s']:.0f} s). Per-stream data: `{Path(args.get('out') or RESULTS).stem}.json`.",
         "",
         "Method: `fleetgate serve` starts two managed `engine: vllm` replicas of the tiny test model "
         "(`scripts/build_tiny_model.py`) through its own launcher, one per core "
         "(`VLLM_CPU_OMP_THREADS_BIND` 0 and 1, `VLLM_CPU_KVCACHE_SPACE=1`, `--max-model-len 4096 "
-        "--enforce-eager --dtype bfloat16`), with `health` "
+        f"--enforce-eager --dtype {dtype}`), with `health` "
         + ", ".join(f"{k} {v:g}" for k, v in HEALTH.items() if k != "start_timeout_s")
         + f", `chunk_gap_timeout_s` {CHUNK_GAP_S:g}, `stall_timeout_s` {STALL_TIMEOUT_S:g}, "
         "`max_continuations` 2, `migrate_after_s` 2, restarts on (backoff 0.5-5 s), other settings default "
@@ -770,11 +873,30 @@ def report(results: dict[str, Any]) -> str:
             lines.append(
                 f"- bar, text equal to the uninterrupted answer >= 14 of 16: {r['equal']}: {_bar(r['equal'] >= 14)}"
             )
+            if "repeat_equal" in r:
+                lines.append(
+                    f"- the engine's own repeatability: the uninterrupted run made again, {r['repeat_equal']} of "
+                    f"{n} texts equal to the first run's"
+                )
+            if "causes" in r:
+                engine = r["causes"]["engine"]
+                lines.append(
+                    f"- where they differ: {r['causes']} (causes: `divergence_cause`); equal where the engine "
+                    f"itself did not diverge: {r['equal']} of {n - engine}"
+                )
+                invalid = sum("\ufffd" in s["text"] for s in streams)
+                after_cut = [s for s in streams if s.get("cause") in ("continuation", "longer")]
+                held = sum("\ufffd" in s["text"][: s["chars_at_failure"] + 1] for s in after_cut)
+                lines.append(
+                    f"- texts holding U+FFFD (bytes the tiny random model emits that are no UTF-8, which "
+                    f"re-tokenise to other tokens): {invalid} of {n}; of the {len(after_cut)} that differ at "
+                    f"or after the cut, {held} held one in the text relayed before it"
+                )
             lines += [
                 "",
                 "| stream | replica | max_tokens | continued | cut | whole | usage | text tokens | longest gap (s) "
-                "| chars (ref) | equal | diverges at | cut point |",
-                "| --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+                "| chars (ref) | equal | diverges at | cut point | cause |",
+                "| --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |",
             ]
             for s in streams:
                 cont = ", ".join(f"{c['replica']} ({c['reason']})" for c in s["continued"]) or "-"
@@ -783,7 +905,7 @@ def report(results: dict[str, Any]) -> str:
                     f"{'; '.join(s['faults']) or 'yes'} | {s['usage_client']} | {s.get('text_tokens')} | "
                     f"{s['longest_gap_s']:.2f} | {s['chars']} ({s['ref_chars']}) | {'yes' if s['equal'] else 'no'} | "
                     f"{'-' if s['diverges_at'] is None else s['diverges_at']} | "
-                    f"{s['chars_at_failure'] if s['continued'] or s['cut'] else '-'} |"
+                    f"{s['chars_at_failure'] if s['continued'] or s['cut'] else '-'} | {s.get('cause', '-')} |"
                 )
         else:
             durations = sorted(s["duration_s"] for s in streams)
@@ -796,6 +918,13 @@ def report(results: dict[str, Any]) -> str:
                 lines.append(
                     f"- drained `{d['replica']}` at {d['at_s']:.1f} s holding {d['held_at_drain']}: held no "
                     f"stream after {empty}; routable again {d['healthy_after_undrain_s']:.2f} s after its undrain"
+                )
+            for d in r.get("restarts", []):
+                lines.append(
+                    f"- restarted `{d['replica']}` at {d['at_s']:.1f} s (HTTP {d['status']}) holding "
+                    f"{d['held_at_restart']}: its old process gone (streams moved, stopped) "
+                    f"{_seconds(d['stopped_after_s'])} after the call, the new one healthy after "
+                    f"{_seconds(d['healthy_after_s'])}"
                 )
             lines.append(f"- bar, 0 streams cut ({r['cut']}): {_bar(r['cut'] == 0)}; whole {r['whole']}/{n}")
             lines += [
@@ -819,11 +948,18 @@ def main() -> None:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the replicas' dtype (float32: their greedy answers vary less with the batch they run in)",
+    )
+    parser.add_argument("--out", default=None, help=f"the results page (default {RESULTS.relative_to(ROOT)})")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--report", default=None, help="only write the page again from this results .json")
     args = parser.parse_args()
+    page = Path(args.out) if args.out else RESULTS
     if args.report:
-        RESULTS.write_text(report(orjson.loads(Path(args.report).read_bytes())))
+        page.write_text(report(orjson.loads(Path(args.report).read_bytes())))
         return
     results = asyncio.run(main_async(args))
     results["args"] = vars(args)
@@ -832,8 +968,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     results["commit"] = commit.stdout.strip()
     if not args.no_write:
-        RAW.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
-        RESULTS.write_text(report(results))
+        page.with_suffix(".json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+        page.write_text(report(results))
     print(orjson.dumps({k: v for k, v in results.items() if k != "gateway_log"}).decode()[:3000])
 
 

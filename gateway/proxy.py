@@ -543,6 +543,9 @@ class Proxy:
         the partial text overcounts wherever it re-tokenises differently.)"""
         old = leg.claim.replica
         plan = leg.plan()
+        # The stream runs there no more: the replica's load, and a drain or restart waiting
+        # for it to empty, end now, not when the continuation's first token comes.
+        self._close_leg(leg)
         # Not the replica it leaves, nor one that refused the continuation just now; a replica
         # the stream left before is a candidate again (undrained after a rolling restart).
         exclude = {old.id}
@@ -581,7 +584,6 @@ class Proxy:
                 "stream continued on another replica",
                 extra={"request_id": ex.request_id, "from": old.id, "to": replica.id, "reason": cut.reason},
             )
-            self._close_leg(leg)
             leg.claim, leg.upstream, leg.splice, leg.migrating = claim, upstream, _splicer(plan), False
             claim.prefilled()
             replica.last_progress_at = self.clock()
@@ -660,7 +662,8 @@ class Proxy:
         """``replica`` is drained or leaves the fleet: its streams still running after
         ``upstream.migrate_after_s`` are moved to other replicas (each one's connection is
         closed, and its relay continues it elsewhere), instead of being waited for to their
-        end. A stream that cannot be continued is cut, as a failed replica's would be."""
+        end. A stream that cannot be continued, or that no other replica can take, is left
+        to finish where it is (a restart's grace then bounds it: ``Fleet.restart``)."""
         if not self.settings.max_continuations:
             return
         loop = asyncio.get_running_loop()

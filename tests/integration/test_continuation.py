@@ -247,3 +247,38 @@ async def test_a_rolling_restart_of_managed_replicas_cuts_no_stream(tmp_path: Pa
         assert got[-2]["usage"]["completion_tokens"] == 800
     assert not any("cut" in line for line in lines), lines
     assert sum("continued" in line for line in lines) == n  # every stream moved at least once
+
+
+async def test_a_moved_stream_leaves_its_replica_before_the_new_one_answers(tmp_path: Path) -> None:
+    """A drained replica is empty once its streams are moved, not once the replicas taking
+    them send their first token (a long prompt's prefill, seconds on a busy replica): a
+    restart waiting for it to empty waits that much less."""
+    async with sim_upstream(MODEL, tokens_per_s=40) as a, sim_upstream(MODEL, ttft_ms=3000, tokens_per_s=40) as b:
+        config = {
+            "models": [{"name": MODEL, "replicas": [{"url": a}, {"url": b}]}],
+            "admin_api_keys": ["sha256:" + hash_key(ADMIN_KEY)],
+            "upstream": {"migrate_after_s": 0.2},
+        }
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        async with in_process_gateway(config, tmp_path) as (url, gateway, _), aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/admin/replicas/m-1/drain", headers=admin) as d:
+                assert d.status == 200
+            body = chat(max_tokens=400, ignore_eos=True)
+            async with http.post(f"{url}/v1/chat/completions", json=body, headers=AUTH) as r:
+                assert r.headers["x-fleetgate-replica"] == "m-0"
+                await r.content.readuntil(b"\n\n")
+                async with http.post(f"{url}/admin/replicas/m-1/undrain", headers=admin) as d:
+                    assert d.status == 200
+                m0 = gateway.fleet.get("m-0")
+                assert m0 is not None
+                loop = asyncio.get_running_loop()
+                drained = loop.time()
+                async with http.post(f"{url}/admin/replicas/m-0/drain", headers=admin) as d:
+                    assert d.status == 200
+                async with asyncio.timeout(10):
+                    while m0.outstanding_requests:  # noqa: ASYNC110
+                        await asyncio.sleep(0.02)
+                emptied = loop.time() - drained
+                text = one_stream(events(await r.read()))
+    assert text
+    assert emptied < 2.0, emptied  # the move (0.2 s after the drain), not b's 3 s to its first token
