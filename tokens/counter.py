@@ -102,6 +102,10 @@ class PromptCounter:
             )
         return cls(loaded, **options)
 
+    def counts(self, model: str) -> bool:
+        """Whether ``model`` has a tokenizer (requests of the others keep their estimate)."""
+        return model in self._tokenizers
+
     def source(self, model: str) -> str:
         """``tokenizer`` or ``estimate``: what the model's requests' prompt tokens are."""
         return "tokenizer" if model in self._tokenizers else "estimate"

@@ -110,7 +110,8 @@ class Classify:
             )
         ex.model, ex.pool = ex.adapter or model, model
         # The model's tokenizer counts the prompt (where it has one) before anything reads it.
-        await self.counter.count(model, call)
+        if self.counter.counts(model):
+            await self.counter.count(model, call)
         limit = self.rules.max_model_len.get(model)
         if limit is not None:
             too_long = context_overflow(call, limit)
