@@ -9,9 +9,10 @@ seconds.
 own core, shared by a module's tests (starting vLLM takes about a minute). On teardown
 the gateway gets SIGTERM and every process group a replica ever had must be gone.
 
-Every phase is bounded, and all of them together by ``FLEETGATE_E2E_BUDGET_S`` (600 s by
-default) so the suite stays under ten minutes on CI; the measured phase times are printed
-in an "e2e timings" section at the end of the run.
+Every phase is bounded, and all of them together by ``FLEETGATE_E2E_BUDGET_S`` (900 s by
+default: six vLLM starts of about a minute each, and what runs on them) so the suite stays
+under a quarter of an hour on CI; the measured phase times are printed in an "e2e timings"
+section at the end of the run.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ FLEET_START_TIMEOUT_S = 240.0
 SINGLE_START_TIMEOUT_S = 180.0
 # vLLM's server stops its engine and worker about 3 s after SIGTERM.
 GROUP_EXIT_TIMEOUT_S = 15.0
-BUDGET_S = float(os.environ.get("FLEETGATE_E2E_BUDGET_S", "600"))
+BUDGET_S = float(os.environ.get("FLEETGATE_E2E_BUDGET_S", "900"))
 
 _TIMINGS: list[tuple[str, float]] = []
 _budget_start: float | None = None
