@@ -26,9 +26,12 @@ from tokenizers import Tokenizer
 # Characters of pieces whose counts are kept (least recently used dropped first): about
 # 2 M tokens of prompts, some 8 MB of text, per model.
 MAX_CACHED_CHARS = 8_000_000
-# Pieces shorter than this are encoded again rather than remembered: the lookup would cost
-# about what encoding them does.
-MIN_CACHED_CHARS = 64
+# What one remembered piece costs beyond its characters (its OrderedDict node, the str
+# header, the int), in characters, so that a flood of short pieces is bounded too. Short
+# pieces are remembered as well: the role headers and separators between the added tokens
+# ("assistant\n", "\n") recur in every prompt, and a dict lookup costs some 50 ns where
+# encoding even a short piece costs about 10 µs.
+ENTRY_OVERHEAD_CHARS = 128
 
 
 class SegmentCounter:
@@ -60,9 +63,7 @@ class SegmentCounter:
         missing: list[str] = []
         with self._lock:
             for piece in pieces:
-                if len(piece) < MIN_CACHED_CHARS:
-                    if piece:
-                        missing.append(piece)
+                if not piece:
                     continue
                 known = self._counts.get(piece)
                 if known is None:
@@ -77,10 +78,10 @@ class SegmentCounter:
         with self._lock:
             for piece, n in zip(missing, counts, strict=True):
                 total += n
-                if len(piece) >= MIN_CACHED_CHARS and piece not in self._counts:
+                if piece not in self._counts:
                     self._counts[piece] = n
-                    self._chars += len(piece)
+                    self._chars += len(piece) + ENTRY_OVERHEAD_CHARS
             while self._chars > self._max_chars and self._counts:
                 dropped, _ = self._counts.popitem(last=False)
-                self._chars -= len(dropped)
+                self._chars -= len(dropped) + ENTRY_OVERHEAD_CHARS
         return total

@@ -83,6 +83,9 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template does not compile: {exc}") from exc
         self.source = source
+        # The environment's globals flattened once: rendering with them merged into the
+        # variables (``shared``) spares Jinja copying its ChainMap of globals per render.
+        self._globals = dict(self._template.globals)
         # The variables it reads: the request's template keywords reach it only when named here.
         self.variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         # "openai": it loops over a message's content parts; "string": it reads the content whole.
@@ -102,7 +105,7 @@ class ChatTemplate:
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", False))
         continue_final = kwargs.pop("continue_final_message", False)
         documents = kwargs.pop("documents", None)
-        variables = {**special_tokens, **{k: v for k, v in kwargs.items() if k in self.variables}}
+        variables = {**self._globals, **special_tokens, **{k: v for k, v in kwargs.items() if k in self.variables}}
         variables.update(
             messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt
         )
@@ -112,7 +115,7 @@ class ChatTemplate:
         template = self._template
         try:
             # Template.render without its copies of the variables: the request path renders every prompt.
-            rendered = "".join(template.root_render_func(template.new_context(variables)))
+            rendered = "".join(template.root_render_func(template.new_context(variables, shared=True)))
         except Exception as exc:  # a template raises what it likes (raise_exception, a type error)
             raise TemplateError(f"the chat template refused the conversation: {exc}") from exc
         if final_text is not None:
