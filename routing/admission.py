@@ -24,7 +24,12 @@ serves them in strict order, so while the pool is saturated a lower band's reque
 until no higher band's does. The prefill share is counted among the tenants of the highest
 band with work: a tenant of a lower band still in its prefill holds no share of the slots
 a higher band's tenants divide (it frees its slot when its prefill ends, and the lower band
-gets the next one only when the higher bands have none waiting).
+gets the next one only when the higher bands have none waiting). A band may fill only a
+share of each replica's capacity (``BandLimits.capacity_share``): its requests see the pool
+as full earlier, so room stays free for the bands above it, whose requests then start at
+once instead of after a lower band's request ends. A request goes straight on when no
+request of its own band or a higher one waits and its band's capacity has room: a lower
+band's backlog does not close the fast path to a higher band's requests.
 
 Accounting: a woken request has a slot promised but has not claimed its replica yet
 (``_waking``); those promises count against the free slots, and the fast path stays closed
@@ -36,6 +41,7 @@ after it was woken hands its slot to the next. Nothing is leaked either way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,6 +90,8 @@ class Admission:
         self.enabled = enabled and capacity.bounded
         self._share_prefill = share_prefill and capacity.max_prefill_tokens is not None
         self._queue: BandedQueue[Waiting] = BandedQueue(bands, config, weights)
+        # The capacity each band's requests may fill: the pool's, or its share of it.
+        self._capacities = tuple(_share(capacity, b.capacity_share) for b in bands)
         self._queued = 0
         self._waking = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -110,11 +118,14 @@ class Admission:
     def set_weight(self, tenant: str, weight: float) -> None:
         self._queue.set_weight(tenant, weight)
 
-    def ready(self, now: float) -> bool:
-        """The fast path: go straight on (nothing queued or being woken, and a slot free)."""
+    def ready(self, now: float, band: int = 0) -> bool:
+        """The fast path: go straight on (nothing queued in ``band`` or above, nothing being
+        woken, and a slot free within the band's capacity)."""
         if not self.enabled:
             return True
-        return not self._queued and not self._waking and has_room(self._replicas, self._capacity, now)
+        if self._waking or (self._queued and self._queue.waiting_through(band)):
+            return False
+        return has_room(self._replicas, self._capacities[band], now)
 
     async def wait(self, tenant: str, cost: int, deadline: float, band: int = 0) -> Admitted | Rejected:
         """Queue in ``band`` until a slot is free: ``Admitted``, or ``Rejected`` (the tenant's
@@ -179,17 +190,24 @@ class Admission:
         self._expire(now)
         if not self._queued:
             return
-        slots = free_slots(self._replicas, self._capacity, now)
-        # No routable replica is not a capacity matter: let them through to get their 503
-        # (or their fallback model) now rather than after a full wait.
-        room = UNBOUNDED if slots is None else slots - self._waking
         top: int | None = -1
         held: Callable[[str], bool] | None = None
-        while room > 0 and self._queued:
-            # The prefill share is counted in the band now served: recounted when it changes.
-            if self._queue.top() != top:
-                top = self._queue.top()
+        room = 0
+        while self._queued:
+            # Room (within the band's capacity) and the prefill share are those of the band
+            # now served: counted again when it changes, and when its room runs out.
+            band = self._queue.top()
+            if band is None:
+                break
+            if band != top or room <= 0:
+                top = band
                 held = self._held(now)
+                slots = free_slots(self._replicas, self._capacities[band], now)
+                # No routable replica is not a capacity matter: let them through to get their
+                # 503 (or their fallback model) now rather than after a full wait.
+                room = UNBOUNDED if slots is None else slots - self._waking
+                if room <= 0:
+                    break
             popped = self._queue.pop(now, held)
             if popped is None:
                 break
@@ -261,3 +279,19 @@ class Admission:
         if deadline is not None:
             delay = max(0.0, min(delay, deadline - now))
         self._timer = asyncio.get_running_loop().call_later(delay, self.poll)
+
+
+def _share(capacity: Capacity, share: float) -> Capacity:
+    """``capacity`` scaled to ``share`` of each bound (at least one request, one token)."""
+    if share >= 1.0:
+        return capacity
+
+    def scaled(bound: int | None) -> int | None:
+        return None if bound is None else max(1, math.floor(bound * share))
+
+    return dataclasses.replace(
+        capacity,
+        max_requests=scaled(capacity.max_requests),
+        max_outstanding_tokens=scaled(capacity.max_outstanding_tokens),
+        max_prefill_tokens=scaled(capacity.max_prefill_tokens),
+    )

@@ -28,11 +28,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class BandLimits:
-    """One band: its name, and how many of its requests may wait in one pool, all tenants
-    together (None: only the per-tenant bound, ``FairQueueConfig.max_queue_length``)."""
+    """One band: its name; how many of its requests may wait in one pool, all tenants
+    together (None: only the per-tenant bound, ``FairQueueConfig.max_queue_length``); and the
+    share of each replica's capacity its requests may fill (``routing.admission``: the rest
+    is kept free for higher bands)."""
 
     name: str
     max_queued: int | None = None
+    capacity_share: float = 1.0
 
 
 # Without a ``bands`` setting a pool has one band: the queue is then exactly ``FairQueue``.
@@ -78,6 +81,11 @@ class BandedQueue(Generic[T]):
     def queued(self, band: int) -> int:
         """Live requests waiting in ``band`` (index, highest band 0)."""
         return self._live[band]
+
+    def waiting_through(self, band: int) -> bool:
+        """Whether a request waits in ``band`` or any higher one."""
+        live = self._live
+        return any(live[b] for b in range(band + 1))
 
     def top(self) -> int | None:
         """The highest band with a request waiting, or None."""

@@ -37,7 +37,7 @@ class Bands:
         return cls(
             names,
             tuple(b.max_wait_s for b in bands),
-            tuple(BandLimits(b.name, b.max_queued) for b in bands),
+            tuple(BandLimits(b.name, b.max_queued, b.capacity_share) for b in bands),
             {n: i for i, n in enumerate(names)},
         )
 

@@ -254,12 +254,17 @@ class BandSettings(_Frozen):
     ``max_wait_s``: the longest a request of this band waits in a saturated pool's queue
     (unset: its priority's, ``routing.queue.max_wait_s``). ``max_queued``: how many requests
     of this band may wait for one model, all tenants together, before 429 ``band_full``
-    (unset: only each tenant's ``routing.queue.max_queue_length``).
+    (unset: only each tenant's ``routing.queue.max_queue_length``). ``capacity_share``: the
+    share of each replica's capacity (``capacity.max_requests``, ``max_outstanding_tokens``,
+    ``max_prefill_tokens``) this band's requests may fill, all bands' work counted; the rest
+    stays free for higher bands, whose requests then start at once instead of waiting for a
+    lower band's to finish (1: the whole capacity).
     """
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     max_wait_s: float | None = Field(None, gt=0)
     max_queued: int | None = Field(None, ge=1)
+    capacity_share: float = Field(1.0, gt=0, le=1)
 
 
 def band_list(value: object) -> object:

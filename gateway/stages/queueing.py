@@ -75,9 +75,9 @@ class Queue:
             return BadRequest(f"The {TIMEOUT_HEADER} header must be a positive integer (milliseconds).")
         ex.deadline, ex.cut_at_deadline = bound
         now = self.clock()
-        if not route.pool.admission.ready(now):
+        if not route.pool.admission.ready(now, route.band):
             self._degrade(ex, tenant, route, now)
-            if not route.pool.admission.ready(now):
+            if not route.pool.admission.ready(now, route.band):
                 refused = await self._wait(ex, tenant, route, request, now)
                 if refused is not None:
                     return refused
@@ -93,7 +93,7 @@ class Queue:
         if degrade.overflow and route.choice is not None:
             pools = self.router.pools
             smaller = saturation.overflow_model(
-                self.router.tiers.smaller(route.choice.tier), lambda m: pools[m].admission.ready(now)
+                self.router.tiers.smaller(route.choice.tier), lambda m: pools[m].admission.ready(now, route.band)
             )
             if smaller is not None:
                 rm.series(rm.degraded, route.model, tenant.id, "overflow").inc()

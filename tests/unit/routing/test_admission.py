@@ -441,3 +441,56 @@ async def test_the_prefill_share_is_counted_inside_the_band_being_served() -> No
     assert [c[0] for c in claims] == ["bulk", "bulk"] and adm.queued == 0
     await asyncio.gather(*chat)
     await asyncio.gather(*batch)
+
+
+async def test_a_band_held_to_a_share_of_capacity_leaves_room_for_higher_bands() -> None:
+    """Four request slots; the batch band may fill half of them. The other two stay free:
+    an interactive request goes straight on while batch requests wait."""
+    r = replica("a")
+    adm = Admission(
+        [r],
+        Capacity(max_requests=4),
+        FairQueueConfig(quantum_tokens=100),
+        clock=Clock(),
+        poll_interval_s=3600,
+        bands=(BandLimits("interactive"), BandLimits("batch", capacity_share=0.5)),
+    )
+    assert adm.ready(0.0, 1)
+    r.outstanding_requests = 2  # two batch requests running: the band's share (4 x 0.5)
+    assert not adm.ready(0.0, 1)
+    batch = [asyncio.create_task(adm.wait("bulk", 100, FAR, 1)) for _ in range(3)]
+    await settle()
+    assert adm.queued == 3 and not any(t.done() for t in batch)
+    # The batch backlog does not close the interactive band's fast path.
+    assert adm.ready(0.0, 0)
+    r.outstanding_requests = 3  # an interactive request took a reserved slot
+    # One batch request ends: 2 of 4 slots still in use, the batch band's share is 2, so
+    # nothing more of it starts.
+    r.outstanding_requests = 2
+    adm.notify()
+    await settle()
+    assert adm.queued == 3
+    r.outstanding_requests = 1  # the interactive one ended too: one batch slot free
+    adm.notify()
+    await settle()
+    assert adm.queued == 2 and sum(t.done() for t in batch) == 1
+    for t in batch:
+        t.cancel()
+    await settle()
+    assert adm.queued == 0
+
+
+async def test_a_lower_bands_backlog_does_not_degrade_a_higher_bands_fast_path() -> None:
+    r = replica("a")
+    adm = banded([r], Clock(), max_requests=1)
+    r.outstanding_requests = 1
+    waiting = asyncio.create_task(adm.wait("bulk", 100, FAR, 2))
+    await settle()
+    r.outstanding_requests = 0  # a slot frees, before the timer's next look at the queue
+    # An interactive newcomer may take it straight away: nothing waits in its band or above.
+    assert adm.ready(0.0, 0)
+    # A newcomer of the batch band may not: it would overtake the one waiting.
+    assert not adm.ready(0.0, 2)
+    adm.notify()
+    await settle()
+    assert isinstance(waiting.result(), Admitted)
