@@ -6,16 +6,18 @@
 ``capacity.max_requests`` so the pool saturates at the gateway, where the bands apply. Per
 scheduling policy (``fcfs``: vLLM's default; ``priority``: ``scheduling_policy: priority``,
 so the replicas start with ``--scheduling-policy priority`` and batch-band requests carry
-``priority: 2``), one gateway, four phases of ``--duration`` seconds each:
+their band's index as ``priority``), one gateway, phases of ``--duration`` seconds each:
 
 - ``interactive alone``: one client sends a streamed chat request every ``1/--rate`` s
   (steady arrivals, open loop), ``--interactive-tokens`` tokens out (``ignore_eos``); the
   client measures TTFT (the first chunk that carries a choice).
-- ``batch alone``: ``--batch-outstanding`` non-streamed requests always outstanding
-  (``x-fleetgate-band: batch``, standing in for a Batch API job's items), each
-  ``--batch-tokens`` tokens out; the batch's throughput is its completion tokens per second.
-- ``interactive + batch``: both at once; TTFT p50/p95 as a ratio of the alone phase, and the
-  batch's throughput as a share of the batch-alone phase.
+- per batch band (``--shares``: one band per ``capacity_share``, ``batch-100``, ``batch-50``
+  ...; all below ``interactive``, so one gateway measures them all):
+  - ``batch-NN alone``: ``--batch-outstanding`` non-streamed requests always outstanding
+    (``x-fleetgate-band: batch-NN``, standing in for a Batch API job's items), each
+    ``--batch-tokens`` tokens out; the batch's throughput is its completion tokens per second.
+  - ``interactive + batch-NN``: both at once; TTFT p50/p95 as a ratio of the alone phase,
+    and the batch's throughput as a share of its batch-alone phase.
 - ``interactive + unbanded flood`` (the control): the same flood sent without the band
   header, i.e. in the interactive band, as every request was before bands.
 
@@ -63,12 +65,21 @@ BULK_KEY = "sk-bands-bench-bulk"
 ADMIN_KEY = "sk-failover-bench-admin"  # continuation_failover.Gateway reads the fleet with it
 READY_TIMEOUT_S = 400.0
 WORDS = "the fleet serves tokens while a gateway routes each request to a warm replica of its pool".split()
-PHASES = ("interactive alone", "batch alone", "interactive + batch", "interactive + unbanded flood")
+ALONE = "interactive alone"
+CONTROL = "interactive + unbanded flood"
+
+
+def band_name(share: float) -> str:
+    return f"batch-{round(share * 100)}"
 
 
 @dataclass
 class Phase:
     name: str
+    # The band the flood is sent in (None: no flood, or the control's unbanded one).
+    band: str | None = None
+    interactive: bool = True
+    flood: bool = False
     ttfts: list[float] = field(default_factory=list)
     interactive_errors: int = 0
     batch_done: int = 0
@@ -76,6 +87,10 @@ class Phase:
     batch_refused: int = 0
     batch_errors: int = 0
     seconds: float = 0.0
+    # From the gateway's access log: the interactive requests' wait in its queue (0 when
+    # they went straight on) and the TTFT it saw from the replica.
+    queued_ms: list[float] = field(default_factory=list)
+    gateway_ttft_ms: list[float] = field(default_factory=list)
 
     def ttft(self, q: float) -> float | None:
         if len(self.ttfts) < 2:
@@ -107,9 +122,7 @@ def gateway_config(port: int, model_dir: Path, args: argparse.Namespace, policy:
             **({"scheduling_policy": "priority"} if policy == "priority" else {}),
         }
 
-    batch: dict[str, Any] = {"name": "batch", "max_wait_s": 600}
-    if args.capacity_share < 1:
-        batch["capacity_share"] = args.capacity_share
+    batches = [{"name": band_name(s), "max_wait_s": 600, "capacity_share": s} for s in args.share_list]
     return {
         "server": {"port": port, "shutdown_grace_s": 5.0},
         "models": [
@@ -119,7 +132,7 @@ def gateway_config(port: int, model_dir: Path, args: argparse.Namespace, policy:
                 "capacity": {"max_requests": args.max_requests},
             }
         ],
-        "bands": ["interactive", "standard", batch],
+        "bands": ["interactive", "standard", *batches],
         "routing": {"queue": {"max_queue_length": 4096}},
         "upstream": {"connect_timeout_s": 5.0},
         "health": {"interval_s": 0.5, "timeout_s": 2.0, "start_timeout_s": READY_TIMEOUT_S},
@@ -208,11 +221,11 @@ async def interactive_client(
 
 
 async def batch_flood(
-    session: aiohttp.ClientSession, url: str, args: argparse.Namespace, phase: Phase, until: float, banded: bool
+    session: aiohttp.ClientSession, url: str, args: argparse.Namespace, phase: Phase, until: float, band: str | None
 ) -> None:
     headers = {"Authorization": f"Bearer {BULK_KEY}"}
-    if banded:
-        headers["x-fleetgate-band"] = "batch"
+    if band is not None:
+        headers["x-fleetgate-band"] = band
 
     async def worker(seed: int) -> None:
         rng = random.Random(1000 + seed)
@@ -247,17 +260,37 @@ async def batch_flood(
     await asyncio.gather(*workers, return_exceptions=True)
 
 
-async def run_phase(session: aiohttp.ClientSession, url: str, args: argparse.Namespace, name: str) -> Phase:
-    phase = Phase(name)
+def gateway_view(access_log: Path, since: float, phase: Phase) -> None:
+    """The interactive requests' queue wait and TTFT as the gateway logged them (wall clock ``since``)."""
+    for raw in access_log.read_bytes().splitlines():
+        with contextlib.suppress(ValueError):
+            line = orjson.loads(raw)
+            if line.get("ts", 0) >= since and line.get("tenant") == "chat" and line.get("status") == 200:
+                phase.queued_ms.append(float(line.get("queued_ms", 0.0)))
+                if "ttft_ms" in line:
+                    phase.gateway_ttft_ms.append(float(line["ttft_ms"]))
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if len(values) < 2:
+        return None
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+async def run_phase(session: aiohttp.ClientSession, gw: Gateway, args: argparse.Namespace, phase: Phase) -> Phase:
+    url = gw.url
+    wall = time.time()
     started = time.perf_counter()
     until = started + args.duration
     jobs = []
-    if name != "batch alone":
+    if phase.interactive:
         jobs.append(interactive_client(session, url, args, phase, until))
-    if name != "interactive alone":
-        jobs.append(batch_flood(session, url, args, phase, until, banded=name != "interactive + unbanded flood"))
+    if phase.flood:
+        jobs.append(batch_flood(session, url, args, phase, until, phase.band))
     await asyncio.gather(*jobs)
     phase.seconds = args.duration
+    await asyncio.sleep(0.3)  # the access log is flushed every 0.1 s
+    gateway_view(gw.workdir / "access.log", wall, phase)
     return phase
 
 
@@ -272,10 +305,19 @@ async def run_policy(model_dir: Path, args: argparse.Namespace, policy: str) -> 
             print(f"[{policy}] both replicas healthy after {ready:.0f} s", flush=True)
             # Warm-up: the engines' first requests are slower (allocations, first steps).
             warm = Phase("warm-up")
-            await batch_flood(session, gw.url, args, warm, time.perf_counter() + 5, banded=True)
+            await batch_flood(session, gw.url, args, warm, time.perf_counter() + 5, band_name(args.share_list[0]))
+            plan = [Phase(ALONE)]
+            for share in args.share_list:
+                band = band_name(share)
+                plan += [
+                    Phase(f"{band} alone", band, interactive=False, flood=True),
+                    Phase(f"interactive + {band}", band, flood=True),
+                ]
+            if not args.no_control:
+                plan.append(Phase(CONTROL, None, flood=True))
             phases = []
-            for name in args.phases.split(","):
-                phase = await run_phase(session, gw.url, args, PHASES[int(name)])
+            for phase in plan:
+                await run_phase(session, gw, args, phase)
                 print(f"[{policy}] {summary(phase)}", flush=True)
                 phases.append(phase)
             metrics = await gw.metrics(session)
@@ -289,8 +331,15 @@ def summary(p: Phase) -> str:
 
     return (
         f"{p.name}: ttft p50 {ms(p.ttft(0.5))} p95 {ms(p.ttft(0.95))} (n={len(p.ttfts)}, err {p.interactive_errors}); "
-        f"batch {p.batch_done} done, {p.batch_tokens_per_s:.0f} tok/s, refused {p.batch_refused}, err {p.batch_errors}"
+        f"batch {p.batch_done} done, {p.batch_tokens_per_s:.0f} tok/s, "
+        f"refused {p.batch_refused}, err {p.batch_errors}; "
+        f"gateway: queued p50 {ms_or_dash(quantile(p.queued_ms, 0.5))} p95 {ms_or_dash(quantile(p.queued_ms, 0.95))}, "
+        f"ttft p50 {ms_or_dash(quantile(p.gateway_ttft_ms, 0.5))}"
     )
+
+
+def ms_or_dash(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms"
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace, took_s: float) -> str:
@@ -300,12 +349,13 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, took_s: floa
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if a is None or not b else f"{a / b:.2f}x"
 
+    shares = ", ".join(f"{{name: {band_name(s)}, max_wait_s: 600, capacity_share: {s:g}}}" for s in args.share_list)
     lines = [
         "# Priority bands on real vLLM (CPU): interactive TTFT under a batch-band flood",
         "",
         f"Command: `FLEETGATE_VLLM_VENV=/work/main/.venv-vllm flock /tmp/vllm.lock .venv/bin/python bench/bands.py "
-        f"--duration {args.duration:g} --rate {args.rate:g} --batch-outstanding {args.batch_outstanding} "
-        f"--max-requests {args.max_requests} --capacity-share {args.capacity_share:g} "
+        f"--policies {args.policies} --shares {args.shares} --duration {args.duration:g} --rate {args.rate:g} "
+        f"--batch-outstanding {args.batch_outstanding} --max-requests {args.max_requests} "
         f"--interactive-tokens {args.interactive_tokens} --batch-tokens {args.batch_tokens}` "
         f"({took_s / 60:.0f} min on {cpu_name()}, {os.cpu_count()} cores).",
         "",
@@ -313,44 +363,56 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, took_s: floa
         "(`scripts/build_tiny_model.py`, ~0.8 M parameters) through its own launcher, one per core "
         f"(`VLLM_CPU_OMP_THREADS_BIND` 0 and 1, `--enforce-eager --dtype {args.dtype}`), each with "
         f"`--max-num-seqs {args.max_requests}` and the gateway's `capacity.max_requests: {args.max_requests}`, "
-        "so the pool saturates at the gateway, where the bands apply. Bands: `[interactive, standard, "
-        f"{{name: batch, max_wait_s: 600, capacity_share: {args.capacity_share:g}}}]`. "
+        "so the pool saturates at the gateway, where the bands apply; one gateway per vLLM scheduling "
+        "policy (`priority`: `scheduling_policy: priority`, the replicas started with "
+        "`--scheduling-policy priority`, batch-band requests carrying their band's index as `priority`). "
+        f"Bands: `[interactive, standard, {shares}]`: one batch band per capacity share, so one gateway "
+        "measures them all. "
         f"The interactive client sends a streamed chat request every {1 / args.rate:g} s "
         f"(~{args.interactive_words} words in, {args.interactive_tokens} tokens out, `ignore_eos`) and measures "
         "TTFT at its first chunk with a choice. The batch flood keeps "
         f"{args.batch_outstanding} non-streamed requests outstanding (~{args.batch_words} words in, "
-        f"{args.batch_tokens} tokens out) with `x-fleetgate-band: batch`, as the Batch API's items are sent; "
-        "its throughput is completion tokens per second of requests that finished inside the phase. The "
-        "control row sends the same flood without the header (the interactive band: every request before "
-        f"bands). Each phase lasts {args.duration:g} s, after a 5 s warm-up; every prompt is random, so the "
-        "prefix cache plays no part. The gateway, the client and the replicas share the machine's two cores.",
+        f"{args.batch_tokens} tokens out) with `x-fleetgate-band: batch-NN`, as the Batch API's items are "
+        "sent; its throughput is completion tokens per second of requests that finished inside the phase, "
+        "and its share is against the same band's flood alone. The control row sends the same flood without "
+        "the header (the interactive band: every request before bands). Each phase lasts "
+        f"{args.duration:g} s, after a 5 s warm-up; every prompt is random, so the prefix cache plays no part. "
+        'The gateway, the client and the replicas share the machine\'s two cores. "gateway queued" is the '
+        "interactive requests' wait in the gateway's queue, from its access log.",
         "",
         "| vLLM scheduling | phase | TTFT p50 ms | TTFT p95 ms | p50 / alone | p95 / alone | "
-        "interactive n (errors) | batch tok/s | batch share of alone | batch refused |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "interactive n (errors) | gateway queued p95 ms | batch tok/s | batch share of alone | batch refused |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
-        phases = {p.name: p for p in r["phases"]}
-        alone = phases.get("interactive alone")
-        batch_alone = phases.get("batch alone")
-        for p in r["phases"]:
-            has_ttft = p.name != "batch alone"
-            has_batch = p.name != "interactive alone"
+        phases: list[Phase] = r["phases"]
+        alone = next((p for p in phases if p.name == ALONE), None)
+        batch_alone = {p.band: p for p in phases if p.flood and not p.interactive}
+        base50 = alone.ttft(0.5) if alone else None
+        base95 = alone.ttft(0.95) if alone else None
+        for p in phases:
             p50, p95 = p.ttft(0.5), p.ttft(0.95)
-            base50 = alone.ttft(0.5) if alone else None
-            base95 = alone.ttft(0.95) if alone else None
+            reference = batch_alone.get(p.band) or batch_alone.get(band_name(args.share_list[0]))
             share = (
-                f"{p.batch_tokens_per_s / batch_alone.batch_tokens_per_s:.0%}"
-                if has_batch and batch_alone and batch_alone.batch_tokens_per_s
+                f"{p.batch_tokens_per_s / reference.batch_tokens_per_s:.0%}"
+                if p.flood and reference and reference.batch_tokens_per_s
                 else "-"
             )
-            lines.append(
-                f"| {r['policy']} | {p.name} | {ms(p50) if has_ttft else '-'} | {ms(p95) if has_ttft else '-'} | "
-                f"{ratio(p50, base50) if has_ttft else '-'} | {ratio(p95, base95) if has_ttft else '-'} | "
-                f"{f'{len(p.ttfts)} ({p.interactive_errors})' if has_ttft else '-'} | "
-                f"{f'{p.batch_tokens_per_s:.0f}' if has_batch else '-'} | {share} | "
-                f"{p.batch_refused if has_batch else '-'} |"
-            )
+            queued = quantile(p.queued_ms, 0.95)
+            cells = [
+                r["policy"],
+                p.name,
+                ms(p50) if p.interactive else "-",
+                ms(p95) if p.interactive else "-",
+                ratio(p50, base50) if p.interactive else "-",
+                ratio(p95, base95) if p.interactive else "-",
+                f"{len(p.ttfts)} ({p.interactive_errors})" if p.interactive else "-",
+                f"{queued:.0f}" if p.interactive and queued is not None else "-",
+                f"{p.batch_tokens_per_s:.0f}" if p.flood else "-",
+                share,
+                str(p.batch_refused) if p.flood else "-",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for r in results:
         if r["shed"]:
@@ -366,7 +428,10 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default="fcfs,priority", help="vLLM scheduling policies, one gateway each")
-    parser.add_argument("--phases", default="0,1,2,3", help=f"which phases, by index: {list(enumerate(PHASES))}")
+    parser.add_argument(
+        "--shares", default="1,0.5,0.25", help="capacity shares of the batch bands, one band (and two phases) each"
+    )
+    parser.add_argument("--no-control", action="store_true", help="skip the unbanded flood")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
     parser.add_argument("--rate", type=float, default=2.0, help="interactive requests per second")
     parser.add_argument("--interactive-words", type=int, default=100)
@@ -375,12 +440,10 @@ def main() -> None:
     parser.add_argument("--batch-words", type=int, default=200)
     parser.add_argument("--batch-tokens", type=int, default=128)
     parser.add_argument("--max-requests", type=int, default=8, help="per replica: vLLM's --max-num-seqs too")
-    parser.add_argument(
-        "--capacity-share", type=float, default=0.75, help="the batch band's share of each replica's capacity"
-    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-write", action="store_true", help="print the report; do not write bench/results")
     args = parser.parse_args()
+    args.share_list = [float(s) for s in args.shares.split(",")]
     started = time.monotonic()
     results = asyncio.run(main_async(args))
     text = report(results, args, time.monotonic() - started)
