@@ -41,6 +41,11 @@ class Bands:
             {n: i for i, n in enumerate(names)},
         )
 
+    @property
+    def lowest(self) -> str:
+        """The last, lowest band: the one bulk work (the Batch API's items) is sent in."""
+        return self.names[-1]
+
     def index(self, name: str | None) -> int:
         """A configured band's index; None (unset): the first band. Raises KeyError when unknown."""
         return 0 if name is None else self._index[name]

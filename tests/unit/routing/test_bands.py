@@ -12,6 +12,7 @@ BANDS = Bands.from_settings(default_bands())
 
 def test_default_bands_highest_first() -> None:
     assert BANDS.names == ("interactive", "standard", "batch")
+    assert BANDS.lowest == "batch"
     assert BANDS.index(None) == 0 and BANDS.index("batch") == 2
     with pytest.raises(KeyError):
         BANDS.index("bulk")
