@@ -67,7 +67,7 @@ class Accounting:
         tenant_id = ex.tenant.id if ex.tenant is not None else None
         status = ex.status
         m = self.metrics
-        m.series(m.requests, endpoint, model_label, str(status)).inc()
+        m.series(m.requests, endpoint, model_label, str(status), ex.band or "-").inc()
         m.latency.observe((endpoint, model_label), elapsed)
         trace = ex.trace
         entry: dict[str, Any] = {
@@ -77,6 +77,7 @@ class Accounting:
             "tenant": tenant_id,
             "endpoint": endpoint,
             "model": model,
+            "band": ex.band,
             "status": status,
             "duration_ms": round(elapsed * 1000, 2),
             "trace_id": trace.trace_id if trace is not None else None,

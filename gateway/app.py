@@ -89,7 +89,7 @@ class Gateway:
         registry = metrics.registry
         registry.register(FleetCollector(self.fleet.all, clock, lambda: self.fleet.by_model))
         registry.register(QuotaCollector(lambda: self.tenants))
-        registry.register(QueueCollector(self.router.depths))
+        registry.register(QueueCollector(self.router.band_depths))
         registry.register(AutoscaleCollector(self.pending, settings.autoscaling.target))
         self.parts = build.PathParts(
             settings,

@@ -41,6 +41,7 @@ from redisconn.config import RedisSecurity
 from replicas.credentials import CredentialError
 from replicas.fleet import Fleet
 from routing.adapters import AdapterCatalog, AdapterSpec
+from routing.bands import Bands
 from routing.embedding_head import EmbeddingHeadError, load_head
 from routing.metrics import RoutingMetrics
 from routing.pool import PoolSpec
@@ -178,6 +179,7 @@ def router(
         metrics=metrics,
         head=head,
         static=static,
+        bands=Bands.from_settings(settings.bands).limits,
     )
 
 

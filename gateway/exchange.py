@@ -39,6 +39,8 @@ REQUEST_ID_HEADER = "x-request-id"
 TIER_HEADER = "x-fleetgate-tier"
 TIMEOUT_HEADER = "x-fleetgate-timeout-ms"
 PRIORITY_HEADER = "x-fleetgate-priority"
+# A lower priority band than the tenant's (request); the band the request got (response).
+BAND_HEADER = "x-fleetgate-band"
 # Response headers: the tier and replica that answered, where the answer came from, and
 # (debug) how the request was classified.
 CACHE_HEADER = "x-fleetgate-cache"
@@ -122,6 +124,9 @@ class Exchange:
     # The model the request is counted, limited, cached and logged as: the name it asked for
     # (an alias resolved), a LoRA ``adapter``'s own name included.
     model: str | None = None
+    # The priority band it waits in when its pool is saturated (``routing.bands``; None:
+    # refused before classification).
+    band: str | None = None
     # The model whose pool serves it (``model``, or the base model of its ``adapter``).
     pool: str | None = None
     # The LoRA adapter the request names (routing.adapters): sent upstream as ``model``.

@@ -100,8 +100,8 @@ class GatewayMetrics(MetricSet):
         r = self.registry
         self.requests = Counter(
             "fleetgate_requests",
-            "Requests answered, by endpoint, model and HTTP status.",
-            ["endpoint", "model", "status"],
+            "Requests answered, by endpoint, model, HTTP status and priority band ('-': refused before it had one).",
+            ["endpoint", "model", "status", "band"],
             registry=r,
         )
         self.latency = LocalHistogram(

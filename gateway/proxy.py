@@ -302,7 +302,7 @@ class Proxy:
             status, ctype, body, retry_after = await self.client.fetch(
                 "POST",
                 url,
-                call.upstream_body(ex.adapter or replica.served_model),
+                _upstream_body(ex, replica),
                 self._request_headers(ex, replica),
                 timeout_s=self.settings.request_timeout_s,
                 max_bytes=self.settings.max_response_bytes,
@@ -360,7 +360,7 @@ class Proxy:
         replica's refusal (a status other than 200 that is no failure) is the response to give."""
         call = ex.call
         ex.upstream_started = self.clock()
-        body = call.upstream_body(ex.adapter or replica.served_model)
+        body = _upstream_body(ex, replica)
         refused = functools.partial(self._refused, ex, replica)
         return await self._open_stream(replica, call.dialect.path, body, self._request_headers(ex, replica), refused)
 
@@ -567,7 +567,7 @@ class Proxy:
             if ex.timeline is not None:
                 ex.timeline.attempt(replica.id, replica.base_url, replica.served_model, self.clock())
             claim = pick.claim(replica, streamed=True)
-            body = orjson.dumps({**plan.body, "model": served})
+            body = orjson.dumps({**plan.body, "model": served, **_priority(ex, replica)})
             try:
                 upstream, first = await with_keepalive(
                     ex,
@@ -682,6 +682,25 @@ class Proxy:
         moved = sum(self._move(leg) for leg in list(self._legs.get(replica.id, ())))
         if moved:
             log.info("streams moved off a drained replica", extra={"replica": replica.id, "streams": moved})
+
+
+def _upstream_body(ex: Exchange, replica: Replica) -> bytes:
+    """The body an attempt sends ``replica``: the dialect's, with the request's band as
+    ``priority`` where the replica runs vLLM's priority scheduler (``routing.bands``). The
+    highest band is priority 0, vLLM's default, so its bodies go untouched."""
+    body = ex.call.upstream_body(ex.adapter or replica.served_model)
+    priority = _priority(ex, replica)
+    if not priority:
+        return body
+    return orjson.dumps({**orjson.loads(body), **priority})
+
+
+def _priority(ex: Exchange, replica: Replica) -> dict[str, int]:
+    """``{"priority": band}`` for a lower band's request to a priority-scheduling replica, else empty."""
+    route = ex.route
+    if replica.priority_scheduling and route is not None and route.band:
+        return {"priority": route.band}
+    return {}
 
 
 def _cancel(ex: Exchange, upstream: UpstreamResponse) -> None:

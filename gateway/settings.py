@@ -35,7 +35,15 @@ from replicas.config import ReplicaSettings as ReplicaSettings
 from replicas.config import RestartSettings as RestartSettings
 from replicas.config import SimSettings as SimSettings
 from replicas.lora import AdapterSettings
-from routing.config import CapacitySettings, DegradeSettings, Priority, RoutingSettings
+from routing.config import (
+    BandSettings,
+    CapacitySettings,
+    DegradeSettings,
+    Priority,
+    RoutingSettings,
+    band_list,
+    default_bands,
+)
 
 # The built-in development key. Only present when no tenant is configured at all, and
 # announced loudly at start-up, so a laptop works with zero setup and production does not
@@ -213,6 +221,9 @@ class TenantSettings(_Frozen):
     weight: float = Field(1.0, gt=0)
     # Longest queue wait: routing.queue.max_wait_s by priority.
     priority: Priority = "normal"
+    # Priority band (one of `bands`); its requests may ask for a lower one with the
+    # x-fleetgate-band header, never a higher one. Unset: the first (highest) band.
+    band: str | None = None
     # Tiers the x-fleetgate-tier request header may force: true (any), false, or a list.
     allow_force_tier: bool | list[str] = False
     # Model names this tenant's requests are classified for, as if they asked for "auto".
@@ -265,6 +276,9 @@ class Settings(BaseSettings):
     )
     tenants: list[TenantSettings] = []
     admin_api_keys: list[str] = []
+    # Priority bands, highest first: a saturated pool serves them in this order, tenants
+    # fairly by weight inside each (routing.band_queue). Names, or {name, max_wait_s, max_queued}.
+    bands: list[BandSettings] = Field(default_factory=default_bands, min_length=1, max_length=16)
 
     @field_validator("redis_url")
     @classmethod
@@ -272,6 +286,8 @@ class Settings(BaseSettings):
         if url is not None:
             RedisTarget.parse(url)
         return url
+
+    _band_names = field_validator("bands", mode="before")(band_list)
 
     @field_validator("admin_api_keys")
     @classmethod
@@ -294,6 +310,7 @@ class Settings(BaseSettings):
         if len(ids) != len(set(ids)):
             raise ValueError("tenants: duplicate tenant id")
         _check_routing_refs(self)
+        _check_bands(self)
         _check_adapters(self)
         _check_stream_timeouts(self)
         unknown = sorted(set(self.autoscaling.per_model) - set(names))
@@ -319,6 +336,16 @@ class Settings(BaseSettings):
         if yaml_file:
             sources += (YamlConfigSettingsSource(settings_cls),)
         return sources
+
+
+def _check_bands(settings: Settings) -> None:
+    """Band names are distinct, and each tenant's band is one of them."""
+    names = [b.name for b in settings.bands]
+    if len(names) != len(set(names)):
+        raise ValueError("bands: duplicate band name")
+    for tenant in settings.tenants:
+        if tenant.band is not None and tenant.band not in names:
+            raise ValueError(f"tenants.{tenant.id}.band: {tenant.band!r} is not one of bands {names}")
 
 
 def _check_routing_refs(settings: Settings) -> None:

@@ -111,6 +111,11 @@ class ReplicaSettings(_Frozen):
     headers: dict[str, str] = {}
     # The model name the upstream serves, when it differs from the public name.
     upstream_model: str | None = Field(None, min_length=1)
+    # "priority": the replica runs vLLM's priority scheduler, so each request's band goes
+    # with it as its `priority` field (0 the highest band; vLLM serves lower values first);
+    # a managed vLLM replica is started with --scheduling-policy priority. Unset or "fcfs":
+    # no priority field is sent.
+    scheduling_policy: Literal["fcfs", "priority"] | None = None
 
     @field_validator("api_key")
     @classmethod
@@ -152,7 +157,22 @@ class ReplicaSettings(_Frozen):
             raise ValueError("give the credential once: 'api_key' or an Authorization header, not both")
         if self.engine is not None and self.probe == "none":
             raise ValueError("probe 'none' is for external replicas: a managed one is probed to know it started")
+        given = _flag_value(self.args, "--scheduling-policy")
+        if given is not None and self.scheduling_policy is not None and given != self.scheduling_policy:
+            raise ValueError(
+                f"scheduling_policy {self.scheduling_policy!r} contradicts '--scheduling-policy {given}' in args"
+            )
         return self
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value ``args`` give ``flag`` (``--flag value`` or ``--flag=value``), if any."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+    return None
 
 
 class ModelReplicas(Protocol):

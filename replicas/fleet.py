@@ -42,6 +42,7 @@ class _Upstream:
     probe: ProbeKind
     metrics: bool
     headers: dict[str, str] = field(repr=False)
+    priority_scheduling: bool = False
 
 
 def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> list[str]:
@@ -72,6 +73,8 @@ def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> l
 
 def vllm_argv(port: int, served_model: str, rs: ReplicaSettings) -> list[str]:
     assert rs.model_path is not None
+    policy = rs.scheduling_policy
+    scheduling = ["--scheduling-policy", policy] if policy and not _sets_scheduling_policy(rs.args) else []
     return [
         rs.python,
         "-m",
@@ -84,8 +87,14 @@ def vllm_argv(port: int, served_model: str, rs: ReplicaSettings) -> list[str]:
         "127.0.0.1",
         "--port",
         str(port),
+        *scheduling,
         *rs.args,
     ]
+
+
+def _sets_scheduling_policy(args: Sequence[str]) -> bool:
+    """Whether the replica's own ``args`` already choose vLLM's scheduling policy."""
+    return any(a == "--scheduling-policy" or a.startswith("--scheduling-policy=") for a in args)
 
 
 class Fleet:
@@ -144,7 +153,13 @@ class Fleet:
             headers = upstream_headers(rs.api_key, rs.headers, self._environ)
         except CredentialError as exc:
             raise CredentialError(f"models.{model.name}.replicas.{index}.{exc}") from None
-        return _Upstream(rs.upstream_model or model.name, rs.probe, rs.scrapes_metrics, headers)
+        return _Upstream(
+            rs.upstream_model or model.name,
+            rs.probe,
+            rs.scrapes_metrics,
+            headers,
+            rs.scheduling_policy == "priority",
+        )
 
     def _replica(self, rid: str, url: str, model: ModelReplicas, up: _Upstream, *, managed: bool) -> Replica:
         # Not probed: routable at once, until the passive breaker says otherwise.
@@ -161,6 +176,7 @@ class Fleet:
             probe=up.probe,
             scrape_metrics=up.metrics,
             upstream_headers=up.headers,
+            priority_scheduling=up.priority_scheduling,
             stall_after_s=self._health_settings.stall_after_s,
         )
 

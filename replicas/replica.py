@@ -126,6 +126,8 @@ class Replica:
     # they were last read (gateway clock; None: not yet). Requests naming one go only here.
     adapters: frozenset[str] = frozenset()
     adapters_listed_at: float | None = None
+    # The replica runs vLLM's priority scheduler: requests carry their band as ``priority``.
+    priority_scheduling: bool = False
     # Sent with every request to the replica, probes included (credentials: never shown).
     upstream_headers: dict[str, str] = field(default_factory=dict, repr=False)
     # When bytes last arrived on one of this gateway's requests to the replica (gateway

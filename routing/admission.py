@@ -19,6 +19,18 @@ backlog at once. Work-conserving refill would keep every replica's steps full of
 tenant's prefill chunks, and every other tenant's prefill and decoding would run in those
 long steps. A tenant alone gets every slot.
 
+Priority bands (``routing.band_queue``): the queue holds one WDRR queue per band and
+serves them in strict order, so while the pool is saturated a lower band's request waits
+until no higher band's does. The prefill share is counted among the tenants of the highest
+band with work: a tenant of a lower band still in its prefill holds no share of the slots
+a higher band's tenants divide (it frees its slot when its prefill ends, and the lower band
+gets the next one only when the higher bands have none waiting). A band may fill only a
+share of each replica's capacity (``BandLimits.capacity_share``): its requests see the pool
+as full earlier, so room stays free for the bands above it, whose requests then start at
+once instead of after a lower band's request ends. A request goes straight on when no
+request of its own band or a higher one waits and its band's capacity has room: a lower
+band's backlog does not close the fast path to a higher band's requests.
+
 Accounting: a woken request has a slot promised but has not claimed its replica yet
 (``_waking``); those promises count against the free slots, and the fast path stays closed
 while any is pending, so a newcomer cannot take the slot a woken request is about to use.
@@ -29,17 +41,21 @@ after it was woken hands its slot to the next. Nothing is leaked either way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from replicas.replica import Replica
+from routing.band_queue import SINGLE_BAND, BandedQueue, BandLimits, BandTicket
 from routing.capacity import UNBOUNDED, Capacity, free_slots, has_room
-from routing.fair_queue import FairQueue, FairQueueConfig, Rejected, RejectReason, Ticket
+from routing.fair_queue import FairQueueConfig, Rejected, RejectReason
 
 Waiter = asyncio.Future[Rejected | None]
 # What waits in the fair queue: the tenant (for the prefill share) and its future.
 Waiting = tuple[str, Waiter]
+# Who holds a prefill slot or a promised one: (band, tenant).
+Holder = tuple[int, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +79,7 @@ class Admission:
         poll_interval_s: float = 0.05,
         enabled: bool = True,
         share_prefill: bool = True,
+        bands: Sequence[BandLimits] = SINGLE_BAND,
     ) -> None:
         # The fleet's own list (updated in place by discovery): always the current replicas.
         self._replicas = replicas
@@ -72,14 +89,16 @@ class Admission:
         self._poll_s = poll_interval_s
         self.enabled = enabled and capacity.bounded
         self._share_prefill = share_prefill and capacity.max_prefill_tokens is not None
-        self._queue: FairQueue[Waiting] = FairQueue(config, weights)
+        self._queue: BandedQueue[Waiting] = BandedQueue(bands, config, weights)
+        # The capacity each band's requests may fill: the pool's, or its share of it.
+        self._capacities = tuple(_share(capacity, b.capacity_share) for b in bands)
         self._queued = 0
         self._waking = 0
         self._timer: asyncio.TimerHandle | None = None
-        # By tenant: streamed requests sent to this pool's replicas and not yet past their
-        # first token, and requests woken but not yet back from ``wait`` (about to claim).
-        self._prefilling: dict[str, int] = {}
-        self._woken: dict[str, int] = {}
+        # By (band, tenant): streamed requests sent to this pool's replicas and not yet past
+        # their first token, and requests woken but not yet back from ``wait`` (about to claim).
+        self._prefilling: dict[Holder, int] = {}
+        self._woken: dict[Holder, int] = {}
 
     @property
     def queued(self) -> int:
@@ -92,24 +111,32 @@ class Admission:
     def depths(self) -> dict[str, int]:
         return self._queue.depths()
 
+    def band_depths(self) -> dict[str, dict[str, int]]:
+        """Requests waiting now by band name, then tenant."""
+        return self._queue.band_depths()
+
     def set_weight(self, tenant: str, weight: float) -> None:
         self._queue.set_weight(tenant, weight)
 
-    def ready(self, now: float) -> bool:
-        """The fast path: go straight on (nothing queued or being woken, and a slot free)."""
+    def ready(self, now: float, band: int = 0) -> bool:
+        """The fast path: go straight on (nothing queued in ``band`` or above, nothing being
+        woken, and a slot free within the band's capacity)."""
         if not self.enabled:
             return True
-        return not self._queued and not self._waking and has_room(self._replicas, self._capacity, now)
+        if self._waking or (self._queued and self._queue.waiting_through(band)):
+            return False
+        return has_room(self._replicas, self._capacities[band], now)
 
-    async def wait(self, tenant: str, cost: int, deadline: float) -> Admitted | Rejected:
-        """Queue until a slot is free: ``Admitted``, or ``Rejected`` (queue full / deadline passed).
+    async def wait(self, tenant: str, cost: int, deadline: float, band: int = 0) -> Admitted | Rejected:
+        """Queue in ``band`` until a slot is free: ``Admitted``, or ``Rejected`` (the tenant's
+        or the band's backlog full / deadline passed).
 
         The caller must claim its replica without awaiting anything after an ``Admitted``:
         the slot is promised to it until then.
         """
         now = self._clock()
         waiter: Waiter = asyncio.get_running_loop().create_future()
-        ticket = self._queue.push(tenant, (tenant, waiter), cost, now, deadline)
+        ticket = self._queue.push(band, tenant, (tenant, waiter), cost, now, deadline)
         if isinstance(ticket, Rejected):
             return ticket
         self._queued += 1
@@ -122,7 +149,7 @@ class Admission:
             raise
         if outcome is not None:
             return outcome
-        self._unwake(tenant)
+        self._unwake((band, tenant))
         return Admitted(self._clock() - now)
 
     def notify(self) -> None:
@@ -130,17 +157,19 @@ class Admission:
         if self._queued:
             self._pump(self._clock())
 
-    def prefill_started(self, tenant: str) -> None:
-        """A streamed request of ``tenant`` was sent to a replica of this pool."""
-        self._prefilling[tenant] = self._prefilling.get(tenant, 0) + 1
+    def prefill_started(self, tenant: str, band: int = 0) -> None:
+        """A streamed request of ``tenant`` (in ``band``) was sent to a replica of this pool."""
+        key = (band, tenant)
+        self._prefilling[key] = self._prefilling.get(key, 0) + 1
 
-    def prefill_ended(self, tenant: str) -> None:
+    def prefill_ended(self, tenant: str, band: int = 0) -> None:
         """That request had its first token, or ended without one: its prefill slot is free."""
-        left = self._prefilling.get(tenant, 0) - 1
+        key = (band, tenant)
+        left = self._prefilling.get(key, 0) - 1
         if left > 0:
-            self._prefilling[tenant] = left
+            self._prefilling[key] = left
         else:
-            self._prefilling.pop(tenant, None)
+            self._prefilling.pop(key, None)
         self.notify()
 
     def poll(self) -> None:
@@ -161,30 +190,49 @@ class Admission:
         self._expire(now)
         if not self._queued:
             return
-        slots = free_slots(self._replicas, self._capacity, now)
-        # No routable replica is not a capacity matter: let them through to get their 503
-        # (or their fallback model) now rather than after a full wait.
-        room = UNBOUNDED if slots is None else slots - self._waking
-        held = self._held(now)
-        while room > 0 and self._queued:
+        top: int | None = -1
+        held: Callable[[str], bool] | None = None
+        room = 0
+        while self._queued:
+            # Room (within the band's capacity) and the prefill share are those of the band
+            # now served: counted again when it changes, and when its room runs out.
+            band = self._queue.top()
+            if band is None:
+                break
+            if band != top or room <= 0:
+                top = band
+                held = self._held(now)
+                slots = free_slots(self._replicas, self._capacities[band], now)
+                # No routable replica is not a capacity matter: let them through to get their
+                # 503 (or their fallback model) now rather than after a full wait.
+                room = UNBOUNDED if slots is None else slots - self._waking
+                if room <= 0:
+                    break
             popped = self._queue.pop(now, held)
             if popped is None:
                 break
-            tenant, waiter = popped
+            band, (tenant, waiter) = popped
             self._queued -= 1
             if waiter.done():  # its client left; the future was cancelled with the task
                 continue
             waiter.set_result(None)
             self._waking += 1
-            self._woken[tenant] = self._woken.get(tenant, 0) + 1
+            key = (band, tenant)
+            self._woken[key] = self._woken.get(key, 0) + 1
             room -= 1
         self._expire(now)  # heads that pop() found past their deadline
 
     def _held(self, now: float) -> Callable[[str], bool] | None:
-        """Tenants at their share of the pool's prefill slots, while others are active (None: none)."""
+        """Tenants of the highest band with work at their share of the pool's prefill slots,
+        while other tenants of that band are active (None: none held)."""
         if not self._share_prefill:
             return None
-        active = {t for t, n in self._queue.depths().items() if n} | self._prefilling.keys() | self._woken.keys()
+        band = self._queue.top()
+        if band is None:
+            return None
+        active = self._queue.tenants_in(band)
+        active.update(t for b, t in self._prefilling if b == band)
+        active.update(t for b, t in self._woken if b == band)
         if len(active) < 2:
             return None
         slots = sum(1 for r in self._replicas if r.routable(now))
@@ -194,33 +242,34 @@ class Admission:
         prefilling, woken, weight = self._prefilling, self._woken, self._queue.weight
 
         def held(tenant: str) -> bool:
-            taken = prefilling.get(tenant, 0) + woken.get(tenant, 0)
+            key = (band, tenant)
+            taken = prefilling.get(key, 0) + woken.get(key, 0)
             return taken >= max(1, math.ceil(slots * weight(tenant) / total))
 
         return held
 
     def _expire(self, now: float) -> None:
-        for _, waiter in self._queue.expire(now):
+        for _, (_, waiter) in self._queue.expire(now):
             self._queued -= 1
             if not waiter.done():
                 waiter.set_result(Rejected(RejectReason.WAIT_EXCEEDED, self._config.retry_after_s))
 
-    def _abandon(self, ticket: Ticket[Waiting], waiter: Waiter) -> None:
+    def _abandon(self, ticket: BandTicket[Waiting], waiter: Waiter) -> None:
         if waiter.cancelled() or not waiter.done():
             if self._queue.cancel(ticket):
                 self._queued -= 1
         elif waiter.result() is None:
             # Woken, but gone before claiming: the promised slot goes to the next one.
-            self._unwake(ticket.tenant)
+            self._unwake((ticket.band, ticket.tenant))
             self._pump(self._clock())
 
-    def _unwake(self, tenant: str) -> None:
+    def _unwake(self, key: Holder) -> None:
         self._waking -= 1
-        left = self._woken[tenant] - 1
+        left = self._woken[key] - 1
         if left:
-            self._woken[tenant] = left
+            self._woken[key] = left
         else:
-            del self._woken[tenant]
+            del self._woken[key]
 
     def _arm(self, now: float) -> None:
         if self._timer is not None or not self._queued:
@@ -230,3 +279,19 @@ class Admission:
         if deadline is not None:
             delay = max(0.0, min(delay, deadline - now))
         self._timer = asyncio.get_running_loop().call_later(delay, self.poll)
+
+
+def _share(capacity: Capacity, share: float) -> Capacity:
+    """``capacity`` scaled to ``share`` of each bound (at least one request, one token)."""
+    if share >= 1.0:
+        return capacity
+
+    def scaled(bound: int | None) -> int | None:
+        return None if bound is None else max(1, math.floor(bound * share))
+
+    return dataclasses.replace(
+        capacity,
+        max_requests=scaled(capacity.max_requests),
+        max_outstanding_tokens=scaled(capacity.max_outstanding_tokens),
+        max_prefill_tokens=scaled(capacity.max_prefill_tokens),
+    )

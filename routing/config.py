@@ -14,6 +14,7 @@ Example::
       capacity: {max_requests: 256, max_prefill_tokens: 4096}  # per replica, unless models[].capacity says otherwise
       retry_budget: {ratio: 0.2, min_per_s: 1, burst: 10}
       queue: {max_queue_length: 256, max_wait_s: {high: 30, normal: 10, low: 2}}
+    bands: [interactive, standard, {name: batch, max_queued: 2048}]   # top level, highest first
 
 ``docs/routing.md`` explains each knob; ``gateway.settings`` checks the parts that refer to
 other sections (fallback model names, tier names a tenant may force).
@@ -240,6 +241,41 @@ class RoutingSettings(_Frozen):
 
 def _tier(t: TierRange) -> TierSettings:
     return TierSettings(name=t.name, min_score=t.min_score, max_score=t.max_score)
+
+
+# The default priority bands, highest first (``bands:``): chat and agents, ordinary API
+# traffic, bulk work (the Batch API's items).
+DEFAULT_BANDS = ("interactive", "standard", "batch")
+
+
+class BandSettings(_Frozen):
+    """One priority band (``bands:``, highest first; a plain name stands for ``{name: NAME}``).
+
+    ``max_wait_s``: the longest a request of this band waits in a saturated pool's queue
+    (unset: its priority's, ``routing.queue.max_wait_s``). ``max_queued``: how many requests
+    of this band may wait for one model, all tenants together, before 429 ``band_full``
+    (unset: only each tenant's ``routing.queue.max_queue_length``). ``capacity_share``: the
+    share of each replica's capacity (``capacity.max_requests``, ``max_outstanding_tokens``,
+    ``max_prefill_tokens``) this band's requests may fill, all bands' work counted; the rest
+    stays free for higher bands, whose requests then start at once instead of waiting for a
+    lower band's to finish (1: the whole capacity).
+    """
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    max_wait_s: float | None = Field(None, gt=0)
+    max_queued: int | None = Field(None, ge=1)
+    capacity_share: float = Field(1.0, gt=0, le=1)
+
+
+def band_list(value: object) -> object:
+    """``bands:`` entries given as plain names, as ``BandSettings`` mappings (a before-validator)."""
+    if isinstance(value, list | tuple):
+        return [{"name": v} if isinstance(v, str) else v for v in value]
+    return value
+
+
+def default_bands() -> list[BandSettings]:
+    return [BandSettings(name=n) for n in DEFAULT_BANDS]
 
 
 class DegradeSettings(_Frozen):

@@ -38,11 +38,12 @@ class RejectReason(StrEnum):
     """Why a request was not queued or not served; ``status`` is the HTTP answer."""
 
     QUEUE_FULL = "queue_full"  # this tenant's own backlog: 429, slow down
+    BAND_FULL = "band_full"  # its priority band's backlog in this pool (routing.band_queue): 429
     WAIT_EXCEEDED = "wait_exceeded"  # the pool could not serve in time: 503
 
     @property
     def status(self) -> int:
-        return 429 if self is RejectReason.QUEUE_FULL else 503
+        return 503 if self is RejectReason.WAIT_EXCEEDED else 429
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ names, ``tenant`` a tenant id, ``tier`` a tier name, ``policy`` one of the four 
 names, ``reason`` a policy's decision reason (``affinity``, ``affinity_spill``, ``stall_spill``,
 ``session``, ``new_prefix``, ``no_prefix``, ``least_tokens``, ``least_requests``, ``round_robin``),
 a tier reason (``classified``, ``forced``, ``force_denied``) or a shed
-reason (``queue_full``, ``wait_exceeded``, ``deadline``); ``head`` and ``fallback`` the
+reason (``queue_full``, ``band_full``, ``wait_exceeded``, ``deadline``); ``band`` a
+configured priority band's name; ``head`` and ``fallback`` the
 classifier's fixed sets. Retries are the gateway's
 ``fleetgate_retries_total``; this module adds the budget that stops them.
 
@@ -74,15 +75,16 @@ class RoutingMetrics(MetricSet):
         )
         self.queue_wait = Histogram(
             "fleetgate_queue_wait_seconds",
-            "Time spent in the fair queue by requests that had to wait, by model and tenant.",
-            ["model", "tenant"],
+            "Time spent in the fair queue by requests that had to wait, by model, priority band and tenant.",
+            ["model", "band", "tenant"],
             buckets=WAIT_BUCKETS,
             registry=r,
         )
         self.shed = Counter(
             "fleetgate_shed",
-            "Requests refused by the fair queue, by model, tenant and reason (queue_full, wait_exceeded, deadline).",
-            ["model", "tenant", "reason"],
+            "Requests refused by the fair queue, by model, priority band, tenant and reason "
+            "(queue_full, band_full, wait_exceeded, deadline).",
+            ["model", "band", "tenant", "reason"],
             registry=r,
         )
         self.degraded = Counter(
@@ -99,20 +101,21 @@ class RoutingMetrics(MetricSet):
 
 
 class QueueCollector(Collector):
-    """Queue depth by model and tenant, read from the admission queues at scrape time."""
+    """Queue depth by model, priority band and tenant, read from the admission queues at scrape time."""
 
-    def __init__(self, depths: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+    def __init__(self, depths: Callable[[], Mapping[str, Mapping[str, Mapping[str, int]]]]) -> None:
         self._depths = depths
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "fleetgate_queue_depth",
-            "Requests waiting in the fair queue, by model and tenant.",
-            labels=["model", "tenant"],
+            "Requests waiting in the fair queue, by model, priority band and tenant.",
+            labels=["model", "band", "tenant"],
         )
-        for model, tenants in self._depths().items():
-            for tenant, n in tenants.items():
-                family.add_metric([model, tenant], n)
+        for model, bands in self._depths().items():
+            for band, tenants in bands.items():
+                for tenant, n in tenants.items():
+                    family.add_metric([model, band, tenant], n)
         yield family
 
     def describe(self) -> Iterator[Metric]:

@@ -92,6 +92,7 @@ class Route:
         "_request",
         "_router",
         "adapter",
+        "band",
         "budget_denied",
         "choice",
         "degraded",
@@ -119,6 +120,9 @@ class Route:
     ) -> None:
         self._router = router
         self.tenant = tenant
+        # The request's priority band (index into ``bands``, 0 the highest): where it waits
+        # in a saturated pool, and the ``priority`` a priority-scheduling replica gets.
+        self.band = 0
         self.session = session
         self.model = model
         self.prompt = prompt
@@ -228,8 +232,8 @@ class Route:
         now = self._router.clock()
         if not streamed:
             return Claim(replica, self._prefill, self.max_tokens, now, on_prefilled=admission.notify)
-        admission.prefill_started(self.tenant)
-        ended = functools.partial(admission.prefill_ended, self.tenant)
+        admission.prefill_started(self.tenant, self.band)
+        ended = functools.partial(admission.prefill_ended, self.tenant, self.band)
         return Claim(replica, self._prefill, self.max_tokens, now, streamed=True, on_prefilled=ended)
 
     def may_retry(self) -> bool:

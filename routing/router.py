@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dialects.base import PromptView
 from replicas.replica import Replica
 from routing.admission import Admission
+from routing.band_queue import SINGLE_BAND, BandLimits
 from routing.capacity import Capacity
 from routing.config import AffinitySettings, EmbeddingUse, PolicyName, RoutingSettings
 from routing.embedding_head import EmbeddingHead
@@ -102,7 +103,9 @@ class Router:
         weights: dict[str, float] | None = None,
         head: EmbeddingHead | None = None,
         static: StaticHead | None = None,
+        bands: Sequence[BandLimits] = SINGLE_BAND,
     ) -> Router:
+        """``bands``: the priority bands each pool's queue serves in order (``routing.band_queue``)."""
         ls = settings.load
         load = LoadModel(ls.tokens_per_request, ls.kv_knee, ls.kv_full_tokens)
         qs = settings.queue
@@ -128,6 +131,7 @@ class Router:
                 poll_interval_s=qs.poll_interval_s,
                 enabled=qs.enabled,
                 share_prefill=qs.share_prefill,
+                bands=bands,
             )
             pools[spec.model] = Pool(
                 spec.model,
@@ -205,8 +209,12 @@ class Router:
                 pool.admission.set_weight(tenant, weight)
 
     def depths(self) -> dict[str, dict[str, int]]:
-        """Requests waiting now, by model and tenant (the queue-depth gauge, read at scrape)."""
+        """Requests waiting now, by model and tenant."""
         return {model: pool.admission.depths() for model, pool in self.pools.items()}
+
+    def band_depths(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Requests waiting now, by model, band and tenant (the queue-depth gauge, read at scrape)."""
+        return {model: pool.admission.band_depths() for model, pool in self.pools.items()}
 
     def close(self) -> None:
         """Refuse the requests still queued now (at shutdown), not at their deadlines."""

@@ -16,6 +16,7 @@ from routing.config import PRIORITIES, Priority
 from routing.fair_queue import RejectReason
 
 QUEUE_FULL = "queue_full"
+BAND_FULL = "band_full"
 DEADLINE = "deadline"
 WAIT_EXCEEDED = "wait_exceeded"
 
@@ -68,10 +69,12 @@ def clamp(max_tokens: int | None, limit: int | None) -> int | None:
 
 
 def shed_reason(rejected: RejectReason, wait_until: float, deadline: float) -> str:
-    """Why a queued request was refused: its tenant's queue was full, its own deadline
-    passed (it bounded the wait), or it waited its priority's longest wait."""
+    """Why a queued request was refused: its tenant's queue or its band's was full, its own
+    deadline passed (it bounded the wait), or it waited its band's or priority's longest wait."""
     if rejected is RejectReason.QUEUE_FULL:
         return QUEUE_FULL
+    if rejected is RejectReason.BAND_FULL:
+        return BAND_FULL
     if wait_until >= deadline:
         return DEADLINE
     return WAIT_EXCEEDED

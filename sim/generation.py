@@ -32,7 +32,7 @@ from aiohttp import web
 from sim.engine import CHARS_PER_TOKEN, SimRequest, SimStream
 from sim.freeze import FREEZE_KEY, FrozenStream
 from sim.lora_api import served_name
-from sim.wire import ENGINE_KEY, SSE_HEADERS, Rejection, invalid, json_response, read_body
+from sim.wire import ENGINE_KEY, PRIORITIES_KEY, SSE_HEADERS, Rejection, invalid, json_response, read_body
 
 # vLLM's default when a request sets no token limit is "the rest of the context"; the
 # simulator uses a bounded stand-in so a forgotten limit cannot stream forever.
@@ -113,6 +113,11 @@ async def serve(request: web.Request, api: GenerationApi) -> web.StreamResponse:
     generation = api.parse(body, served)
     if isinstance(generation, Rejection):
         return api.error(generation)
+    priority = body.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        return api.error(invalid("priority must be an integer"))
+    counts = request.app[PRIORITIES_KEY]
+    counts[priority] = counts.get(priority, 0) + 1
     rid = api.new_id()
     pieces = generation.tool_call.pieces if generation.tool_call is not None else None
     max_tokens = generation.max_tokens if pieces is None else min(generation.max_tokens, len(pieces))

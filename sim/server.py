@@ -5,6 +5,8 @@ It serves what the gateway and its tests use of vLLM's HTTP API, byte-compatible
     GET  /health, /v1/models, /metrics (vLLM's metric names); POST /reset_prefix_cache
     POST /v1/load_lora_adapter                    LoRA adapters as vLLM serves them (``sim.lora_api``)
     POST /sim/freeze                              not vLLM's: a stalled engine on cue (``sim.freeze``)
+    GET  /sim/priorities                          not vLLM's: requests by their ``priority`` field, which
+                                                  the simulator accepts but does not honour (FCFS)
     POST /v1/chat/completions, /v1/completions    streamed (``stream_options.include_usage``) or whole
     POST /v1/responses                            OpenAI's Responses API (``sim.responses_api``)
     POST /v1/messages, /v1/messages/count_tokens  Anthropic's Messages API (``sim.messages_api``)
@@ -34,7 +36,7 @@ from sim.freeze import FREEZE_KEY, Freeze, freeze_route
 from sim.generation import Call, Generation, ToolCall, forced_call, ignore_eos_of, max_tokens_of, seed_of, serve
 from sim.lora_api import LORA_KEY, LoraState, load_lora_adapter, model_cards, parse_modules, runtime_updating
 from sim.prompts import chat_turns, render_chat
-from sim.wire import ENGINE_KEY, MAX_MODEL_LEN_KEY, MODEL_KEY, Rejection, check_model, openai_error
+from sim.wire import ENGINE_KEY, MAX_MODEL_LEN_KEY, MODEL_KEY, PRIORITIES_KEY, Rejection, check_model, openai_error
 
 BUSY_HEALTH_DELAY_KEY = web.AppKey("busy_health_delay_s", float)
 # /tokenize reports the context length; the fixed-rate engine has none, so it reports the
@@ -258,6 +260,12 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
+async def priorities(request: web.Request) -> web.Response:
+    """Generation requests received so far by their ``priority`` field (accepted, not honoured)."""
+    counts = request.app[PRIORITIES_KEY]
+    return web.json_response({str(p): n for p, n in sorted(counts.items())})
+
+
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """vLLM's development endpoint (``VLLM_SERVER_DEV_MODE=1``): benchmarks start each run cold."""
     return web.json_response({"success": request.app[ENGINE_KEY].reset_prefix_cache()})
@@ -304,6 +312,7 @@ def create_app(
     app[MAX_MODEL_LEN_KEY] = max_model_len
     app[BUSY_HEALTH_DELAY_KEY] = busy_health_delay_s
     app[LORA_KEY] = lora or LoraState()
+    app[PRIORITIES_KEY] = {}
     app[tokenize_api.VOCABULARY_KEY] = tokenize_api.Vocabulary()
     freeze = app[FREEZE_KEY] = Freeze()
     from sim.batched_engine import BatchedSimEngine
@@ -317,6 +326,7 @@ def create_app(
     if runtime_lora:
         app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/sim/freeze", freeze_route)
+    app.router.add_get("/sim/priorities", priorities)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses_api.create_response)

@@ -20,6 +20,10 @@ from sim.engine import SimEngine
 ENGINE_KEY = web.AppKey("engine", SimEngine)
 MODEL_KEY = web.AppKey("model", str)
 MAX_MODEL_LEN_KEY = web.AppKey("max_model_len", int)
+# Requests received by their ``priority`` field (vLLM's per-request priority, 0 when
+# absent): the simulator accepts it and schedules first come first served all the same;
+# ``GET /sim/priorities`` shows the counts, so a test can see what a gateway sent.
+PRIORITIES_KEY = web.AppKey("priorities", dict[int, int])
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 

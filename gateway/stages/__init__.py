@@ -7,7 +7,7 @@
                    cancellable (``gateway.responses_state``)
     classify       model ("auto" -> a tier's model; its text embedded 400 / 404
                    first when the embedding head scores it), context
-                   length, the request's Route
+                   length, the request's priority band and its Route
     admit          rate limits, concurrency, token quotas             429 (503: limit store down)
     look_up_cache  exact then semantic answer, or the same request    hit: replayed here
                    in flight; on a miss the answer is collected,

@@ -11,13 +11,14 @@ from aiohttp import web
 from cache.semantic.cache import TextEmbedding
 from cache.service import ResponseCache
 from gateway.autoscale import PendingTokens
-from gateway.errors import NotFound
-from gateway.exchange import ROUTE_HEADER, TIER_HEADER, Exchange
+from gateway.errors import BadRequest, NotFound
+from gateway.exchange import BAND_HEADER, ROUTE_HEADER, TIER_HEADER, Exchange
 from gateway.request import context_overflow
 from gateway.settings import Settings, TenantSettings
 from gateway.stages import CONTINUE, Reply
 from replicas.fleet import Fleet
 from routing.adapters import AdapterCatalog
+from routing.bands import Bands
 from routing.router import Router
 from routing.tiers import TierChoice
 from tokens.counter import PromptCounter
@@ -37,6 +38,8 @@ class ModelRules:
     debug_header: bool
     # Where a request's session key comes from (``routing.affinity.session_keys``).
     session_keys: tuple[str, ...]
+    # The priority bands, highest first (``bands``).
+    bands: Bands
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ModelRules:
@@ -46,6 +49,7 @@ class ModelRules:
             {m.name: m.max_model_len for m in models if m.max_model_len is not None},
             settings.routing.debug_header,
             tuple(settings.routing.affinity.session_keys),
+            Bands.from_settings(settings.bands),
         )
 
 
@@ -59,7 +63,9 @@ class Classify:
     (``tokens``), so the context-length check, admission and routing read the replica's
     count. A prompt that cannot fit the model's ``max_model_len`` stops here. The route's pools
     hear of the request's end (their next waiting request goes), and its tokens leave the
-    model's pending gauge, when the path ends.
+    model's pending gauge, when the path ends. The request's priority band is its tenant's,
+    or a lower one its ``x-fleetgate-band`` header asks for (a higher one is clamped to the
+    tenant's; an unknown name is a 400): the answer's ``x-fleetgate-band`` says which.
     """
 
     name = "classify"
@@ -88,6 +94,17 @@ class Classify:
     async def __call__(self, ex: Exchange, request: web.Request) -> Reply:
         call, tenant = ex.call, ex.tenant
         assert tenant is not None
+        bands = self.rules.bands
+        band = bands.resolve(bands.index(tenant.band), request.headers.get(BAND_HEADER))
+        if band is None:
+            return BadRequest(
+                f"The {BAND_HEADER} header names no priority band; valid bands, highest first: "
+                f"{', '.join(bands.names)}.",
+                code="invalid_band",
+                param=BAND_HEADER,
+            )
+        ex.band = bands.names[band]
+        ex.headers[BAND_HEADER] = ex.band
         name = tenant.model_aliases.get(call.model, call.model)
         choice: TierChoice | None = None
         if (name == "auto" or name in tenant.classify_models) and call.dialect.classifiable:
@@ -120,6 +137,7 @@ class Classify:
         session = self._session(ex, request)
         route = self.router.route(model, call.prompt, call.prompt_tokens, call.max_tokens, choice, tenant.id, session)
         route.adapter = ex.adapter
+        route.band = band
         ex.route = route
         cost, pending = route.cost, self.pending
         pending.add(model, cost)

@@ -16,6 +16,7 @@ from gateway.settings import Settings, TenantSettings
 from gateway.stages import CONTINUE, Reply
 from routing import saturation
 from routing.admission import Admitted
+from routing.bands import Bands
 from routing.config import QueueWaitSettings
 from routing.metrics import RoutingMetrics
 from routing.route import Route
@@ -25,14 +26,17 @@ from routing.router import Router
 @dataclass(frozen=True, slots=True)
 class QueueRules:
     """The request's time bound (``upstream.request_timeout_s``) and the longest wait in a
-    pool's queue by priority (``routing.queue.max_wait_s``)."""
+    pool's queue: its band's (``bands[].max_wait_s``), else by priority (``routing.queue.max_wait_s``)."""
 
     request_timeout_s: float
     max_wait_s: QueueWaitSettings
+    bands: Bands
 
     @classmethod
     def from_settings(cls, settings: Settings) -> QueueRules:
-        return cls(settings.upstream.request_timeout_s, settings.routing.queue.max_wait_s)
+        return cls(
+            settings.upstream.request_timeout_s, settings.routing.queue.max_wait_s, Bands.from_settings(settings.bands)
+        )
 
 
 class Queue:
@@ -41,8 +45,9 @@ class Queue:
     While some replica of the pool has room this is a counter check. When every one is
     at capacity the tenant's degradation applies (overflow to a smaller tier, a
     ``max_tokens`` clamp), then the request waits in the pool's fair queue: until a slot
-    frees up, or a 429 (its tenant's queue is full), 503 (waited its priority's longest
-    wait) or 504 (its own deadline passed), each with ``Retry-After`` where retrying helps.
+    frees up, or a 429 (its tenant's queue, or its band's, is full), 503 (waited its band's
+    or priority's longest wait) or 504 (its own deadline passed), each with ``Retry-After``
+    where retrying helps. Bands are served in order (``routing.band_queue``).
     """
 
     name = "queue"
@@ -70,9 +75,9 @@ class Queue:
             return BadRequest(f"The {TIMEOUT_HEADER} header must be a positive integer (milliseconds).")
         ex.deadline, ex.cut_at_deadline = bound
         now = self.clock()
-        if not route.pool.admission.ready(now):
+        if not route.pool.admission.ready(now, route.band):
             self._degrade(ex, tenant, route, now)
-            if not route.pool.admission.ready(now):
+            if not route.pool.admission.ready(now, route.band):
                 refused = await self._wait(ex, tenant, route, request, now)
                 if refused is not None:
                     return refused
@@ -88,7 +93,7 @@ class Queue:
         if degrade.overflow and route.choice is not None:
             pools = self.router.pools
             smaller = saturation.overflow_model(
-                self.router.tiers.smaller(route.choice.tier), lambda m: pools[m].admission.ready(now)
+                self.router.tiers.smaller(route.choice.tier), lambda m: pools[m].admission.ready(now, route.band)
             )
             if smaller is not None:
                 rm.series(rm.degraded, route.model, tenant.id, "overflow").inc()
@@ -107,23 +112,33 @@ class Queue:
     ) -> GatewayError | None:
         """Wait in the pool's fair queue: None once admitted, else the refusal."""
         assert ex.deadline is not None
-        level = saturation.priority(tenant.priority, request.headers.get(PRIORITY_HEADER))
-        wait_s = self.rules.max_wait_s.for_priority(level)
+        band = route.band
+        wait_s = self.rules.bands.max_wait_s[band]
+        if wait_s is None:
+            level = saturation.priority(tenant.priority, request.headers.get(PRIORITY_HEADER))
+            wait_s = self.rules.max_wait_s.for_priority(level)
         wait_until = min(now + wait_s, ex.deadline)
-        outcome = await route.pool.admission.wait(tenant.id, route.cost, wait_until)
+        outcome = await route.pool.admission.wait(tenant.id, route.cost, wait_until, band)
         rm = self.metrics
+        band_name = self.rules.bands.names[band]
         if isinstance(outcome, Admitted):
             route.queued_s = outcome.waited_s
-            rm.series(rm.queue_wait, route.model, tenant.id).observe(outcome.waited_s)
+            rm.series(rm.queue_wait, route.model, band_name, tenant.id).observe(outcome.waited_s)
             return None
         route.queued_s = self.clock() - now
         reason = saturation.shed_reason(outcome.reason, wait_until, ex.deadline)
-        rm.series(rm.shed, route.model, tenant.id, reason).inc()
+        rm.series(rm.shed, route.model, band_name, tenant.id, reason).inc()
         retry_after = {"Retry-After": str(max(1, math.ceil(outcome.retry_after_s)))}
         if reason == saturation.QUEUE_FULL:
             return RateLimited(
                 f"Too many of your requests are waiting for '{route.model}'; retry later.",
                 code="queue_full",
+                headers=retry_after,
+            )
+        if reason == saturation.BAND_FULL:
+            return RateLimited(
+                f"Too many '{band_name}'-band requests are waiting for '{route.model}'; retry later.",
+                code="band_full",
                 headers=retry_after,
             )
         if reason == saturation.DEADLINE:

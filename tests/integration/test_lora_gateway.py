@@ -105,7 +105,8 @@ async def test_an_adapter_is_served_only_where_it_is_loaded(tmp_path: Path) -> N
 
                 # Requests are counted and logged under the adapter's name.
                 value = gw.metrics.registry.get_sample_value(
-                    "fleetgate_requests_total", {"endpoint": "chat", "model": "sql-lora", "status": "200"}
+                    "fleetgate_requests_total",
+                    {"endpoint": "chat", "model": "sql-lora", "status": "200", "band": "interactive"},
                 )
                 assert value == 24
                 lines = [x for x in access_lines(access) if x.get("model") == "sql-lora"]

@@ -85,11 +85,13 @@ async def test_flooding_tenant_does_not_starve_another(tmp_path: Path) -> None:
             # It waited about two requests' time, the flood's last one about seven.
             assert quiet_queued < max(flood_queued) / 2
             assert quiet_wait * 1000 >= quiet_queued
-            depth = gw.metrics.registry.get_sample_value("fleetgate_queue_depth", {"model": "m", "tenant": "t1"})
+            depth = gw.metrics.registry.get_sample_value(
+                "fleetgate_queue_depth", {"model": "m", "band": "interactive", "tenant": "t1"}
+            )
             assert depth == 0
             assert (
                 gw.metrics.registry.get_sample_value(
-                    "fleetgate_queue_wait_seconds_count", {"model": "m", "tenant": "t1"}
+                    "fleetgate_queue_wait_seconds_count", {"model": "m", "band": "interactive", "tenant": "t1"}
                 )
                 == 7
             )
@@ -112,10 +114,11 @@ async def test_full_queue_is_429_with_retry_after(tmp_path: Path) -> None:
                 other = await post(client, url, OTHER_KEY)
                 assert other.status_code == 200
                 assert [r.status_code for r in await asyncio.gather(*waiting)] == [200] * 3
-            assert 'fleetgate_queue_depth{model="m",tenant="t1"} 2.0' in metrics
+            assert 'fleetgate_queue_depth{band="interactive",model="m",tenant="t1"} 2.0' in metrics
             assert (
                 gw.metrics.registry.get_sample_value(
-                    "fleetgate_shed_total", {"model": "m", "tenant": "t1", "reason": "queue_full"}
+                    "fleetgate_shed_total",
+                    {"model": "m", "band": "interactive", "tenant": "t1", "reason": "queue_full"},
                 )
                 == 1
             )
@@ -157,7 +160,7 @@ async def test_deadline_while_queued_is_504(tmp_path: Path) -> None:
                 assert (await busy).status_code == 200
             assert (
                 gw.metrics.registry.get_sample_value(
-                    "fleetgate_shed_total", {"model": "m", "tenant": "t2", "reason": "deadline"}
+                    "fleetgate_shed_total", {"model": "m", "band": "interactive", "tenant": "t2", "reason": "deadline"}
                 )
                 == 1
             )

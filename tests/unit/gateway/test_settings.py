@@ -64,6 +64,10 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
         ("redis: {password_env: A, password_file: /b}\n", "redis"),
         ("models: [{name: a, replicas: [{engine: sim}], chunk_gap_timeout_s: 400}]\n", "models.0.chunk_gap_timeout_s"),
         ("upstream: {chunk_gap_timeout_s: 60, stall_timeout_s: 30}\n", "upstream.chunk_gap_timeout_s"),
+        ("bands: [a, a]\n", "bands"),
+        ("bands: []\n", "bands"),
+        ("bands: [{name: b, max_queued: 0}]\n", "bands.0.max_queued"),
+        ("tenants: [{id: t, api_keys: ['env:K'], band: bulk}]\n", "tenants.t.band"),
     ],
 )
 def test_invalid_config_names_the_key(tmp_path: Path, text: str, where: str) -> None:
@@ -122,3 +126,19 @@ models:
     settings = load_settings(write(tmp_path, text))
     assert chunk_gaps(settings) == {"slow": 90.0, "plain": 20.0}
     assert settings.upstream.stall_timeout_s == 300.0  # the default bound on any silence
+
+
+def test_bands_by_name_or_with_their_bounds(tmp_path: Path) -> None:
+    settings = load_settings(
+        write(
+            tmp_path,
+            "bands: [gold, {name: bulk, max_wait_s: 60, max_queued: 100}]\n"
+            "tenants: [{id: t, api_keys: ['env:K'], band: bulk}, {id: u, api_keys: ['env:K2']}]\n",
+        )
+    )
+    assert [(b.name, b.max_wait_s, b.max_queued) for b in settings.bands] == [("gold", None, None), ("bulk", 60.0, 100)]
+    assert [t.band for t in settings.tenants] == ["bulk", None]
+
+
+def test_default_bands() -> None:
+    assert [b.name for b in load_settings(None).bands] == ["interactive", "standard", "batch"]

@@ -96,3 +96,23 @@ def test_metrics_defaults_per_source() -> None:
 def test_invalid_sources_are_refused(fields: dict[str, object], fragment: str) -> None:
     with pytest.raises(ValidationError, match=fragment):
         ReplicaSettings(**fields)  # type: ignore[arg-type]
+
+
+def test_priority_scheduling_replicas_and_the_vllm_flag() -> None:
+    fleet = build(
+        ReplicaSettings(engine="vllm", model_path="/models/m", scheduling_policy="priority"),
+        ReplicaSettings(engine="vllm", model_path="/models/m", args=["--scheduling-policy", "priority"]),
+        ReplicaSettings(url="http://plain:8000", scheduling_policy="priority"),
+        ReplicaSettings(url="http://fcfs:8000"),
+    )
+    managed, own_args, external, fcfs = fleet.by_model["m"]
+    assert [r.priority_scheduling for r in (managed, own_args, external, fcfs)] == [True, False, True, False]
+    argv = [p.spec.argv for p in fleet.processes]
+    assert argv[0][-2:] == ["--scheduling-policy", "priority"]
+    # Given in the replica's own args, the flag is not repeated.
+    assert argv[1].count("--scheduling-policy") == 1
+
+
+def test_a_flag_that_contradicts_scheduling_policy_is_refused() -> None:
+    with pytest.raises(ValidationError, match="scheduling_policy"):
+        ReplicaSettings(engine="vllm", model_path="/m", scheduling_policy="priority", args=["--scheduling-policy=fcfs"])

@@ -13,6 +13,7 @@ import pytest
 from common.breaker import BreakerConfig, CircuitBreaker
 from replicas.replica import Claim, Replica, ReplicaState
 from routing.admission import Admission, Admitted
+from routing.band_queue import BandLimits
 from routing.capacity import Capacity
 from routing.fair_queue import FairQueueConfig, Rejected, RejectReason
 
@@ -334,3 +335,162 @@ async def test_a_tenant_at_its_share_of_prefill_slots_is_held_while_another_is_a
     for t in tasks:
         t.cancel()
     await settle()
+
+
+def banded(replicas: list[Replica], clock: Clock, *, max_requests: int = 1, **kwargs: object) -> Admission:
+    return Admission(
+        replicas,
+        Capacity(max_requests=max_requests),
+        FairQueueConfig(quantum_tokens=100, max_queue_length=10, retry_after_s=2.0),
+        clock=clock,
+        poll_interval_s=3600,
+        bands=(BandLimits("interactive"), BandLimits("standard"), BandLimits("batch", max_queued=3)),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+async def test_a_saturated_pool_serves_a_higher_band_before_earlier_lower_band_requests() -> None:
+    r = replica("a")
+    clock = Clock()
+    adm = banded([r], clock)
+    order: list[str] = []
+
+    async def request(band: int, tenant: str, name: str) -> None:
+        outcome = await adm.wait(tenant, 100, FAR, band)
+        assert isinstance(outcome, Admitted)
+        r.outstanding_requests += 1
+        order.append(name)
+
+    r.outstanding_requests = 1  # the one slot is taken
+    tasks = [asyncio.create_task(request(2, "bulk", f"batch{i}")) for i in range(3)]
+    await settle()
+    tasks += [asyncio.create_task(request(0, "chat", "chat0")), asyncio.create_task(request(1, "api", "api0"))]
+    await settle()
+    assert adm.queued == 5 and adm.band_depths()["batch"] == {"bulk": 3}
+    for _ in range(5):
+        r.outstanding_requests -= 1
+        adm.notify()
+        await settle()
+    assert order == ["chat0", "api0", "batch0", "batch1", "batch2"]
+    await asyncio.gather(*tasks)
+
+
+async def test_a_full_lower_band_is_refused_with_429_while_higher_bands_queue() -> None:
+    r = replica("a")
+    adm = banded([r], Clock())
+    r.outstanding_requests = 1
+    tasks = [asyncio.create_task(adm.wait("bulk", 100, FAR, 2)) for _ in range(3)]
+    await settle()
+    refused = await adm.wait("other", 100, FAR, 2)
+    assert refused == Rejected(RejectReason.BAND_FULL, 2.0)
+    chat = asyncio.create_task(adm.wait("chat", 100, FAR, 0))
+    await settle()
+    assert adm.queued == 4 and not chat.done()
+    r.outstanding_requests = 0
+    adm.notify()
+    await settle()
+    assert isinstance(chat.result(), Admitted)
+    for t in tasks:
+        t.cancel()
+    await settle()
+    assert adm.queued == 0
+
+
+async def test_the_prefill_share_is_counted_inside_the_band_being_served() -> None:
+    """Two replicas, one prefill slot each. A batch tenant still in its prefill holds no share
+    of the interactive band's slots: an interactive tenant alone in its band takes both."""
+    rs = [replica(f"r{i}") for i in range(2)]
+    adm = Admission(
+        rs,
+        Capacity(max_requests=None, max_prefill_tokens=4096),
+        FairQueueConfig(quantum_tokens=100),
+        clock=Clock(),
+        poll_interval_s=3600,
+        bands=(BandLimits("interactive"), BandLimits("batch")),
+    )
+    free = list(rs)
+    claims: list[tuple[str, int, Claim]] = []
+
+    async def request(tenant: str, band: int) -> None:
+        outcome = await adm.wait(tenant, 100, FAR, band)
+        assert isinstance(outcome, Admitted)
+        adm.prefill_started(tenant, band)
+        claims.append((tenant, band, Claim(free.pop(), 8000, 10, 0.0, streamed=True)))
+
+    def first_token(index: int) -> None:
+        tenant, band, claim = claims.pop(index)
+        claim.prefilled()
+        free.append(claim.replica)
+        adm.prefill_ended(tenant, band)
+
+    batch = [asyncio.create_task(request("bulk", 1)) for _ in range(4)]
+    await settle()
+    assert [c[0] for c in claims] == ["bulk", "bulk"] and adm.queued == 2
+    chat = [asyncio.create_task(request("chat", 0)) for _ in range(2)]
+    await settle()
+    # Each batch prefill that ends hands its slot to the interactive tenant, not to the
+    # batch backlog, and the interactive tenant is not held at a share with the batch one.
+    first_token(0)
+    await settle()
+    first_token(0)
+    await settle()
+    assert sorted(c[0] for c in claims) == ["chat", "chat"] and adm.queued == 2
+    first_token(0)
+    first_token(0)
+    await settle()
+    assert [c[0] for c in claims] == ["bulk", "bulk"] and adm.queued == 0
+    await asyncio.gather(*chat)
+    await asyncio.gather(*batch)
+
+
+async def test_a_band_held_to_a_share_of_capacity_leaves_room_for_higher_bands() -> None:
+    """Four request slots; the batch band may fill half of them. The other two stay free:
+    an interactive request goes straight on while batch requests wait."""
+    r = replica("a")
+    adm = Admission(
+        [r],
+        Capacity(max_requests=4),
+        FairQueueConfig(quantum_tokens=100),
+        clock=Clock(),
+        poll_interval_s=3600,
+        bands=(BandLimits("interactive"), BandLimits("batch", capacity_share=0.5)),
+    )
+    assert adm.ready(0.0, 1)
+    r.outstanding_requests = 2  # two batch requests running: the band's share (4 x 0.5)
+    assert not adm.ready(0.0, 1)
+    batch = [asyncio.create_task(adm.wait("bulk", 100, FAR, 1)) for _ in range(3)]
+    await settle()
+    assert adm.queued == 3 and not any(t.done() for t in batch)
+    # The batch backlog does not close the interactive band's fast path.
+    assert adm.ready(0.0, 0)
+    r.outstanding_requests = 3  # an interactive request took a reserved slot
+    # One batch request ends: 2 of 4 slots still in use, the batch band's share is 2, so
+    # nothing more of it starts.
+    r.outstanding_requests = 2
+    adm.notify()
+    await settle()
+    assert adm.queued == 3
+    r.outstanding_requests = 1  # the interactive one ended too: one batch slot free
+    adm.notify()
+    await settle()
+    assert adm.queued == 2 and sum(t.done() for t in batch) == 1
+    for t in batch:
+        t.cancel()
+    await settle()
+    assert adm.queued == 0
+
+
+async def test_a_lower_bands_backlog_does_not_degrade_a_higher_bands_fast_path() -> None:
+    r = replica("a")
+    adm = banded([r], Clock(), max_requests=1)
+    r.outstanding_requests = 1
+    waiting = asyncio.create_task(adm.wait("bulk", 100, FAR, 2))
+    await settle()
+    r.outstanding_requests = 0  # a slot frees, before the timer's next look at the queue
+    # An interactive newcomer may take it straight away: nothing waits in its band or above.
+    assert adm.ready(0.0, 0)
+    # A newcomer of the batch band may not: it would overtake the one waiting.
+    assert not adm.ready(0.0, 2)
+    adm.notify()
+    await settle()
+    assert isinstance(waiting.result(), Admitted)
