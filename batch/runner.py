@@ -66,8 +66,12 @@ class Runner:
         metrics: BatchMetrics,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        accepting: Callable[[], bool] = lambda: True,
     ) -> None:
         self.settings = settings
+        # False while the pod drains: it takes no new item (the items under way finish), so
+        # its own requests do not keep the listener's shutdown waiting.
+        self.accepting = accepting
         self.store = store
         self.files = files
         self.sender = sender
@@ -116,6 +120,9 @@ class Runner:
                 pause = self._paused_until - self.clock()
                 if pause > 0:
                     await asyncio.sleep(pause)
+                if not self.accepting():
+                    await asyncio.sleep(self.settings.poll_s)
+                    continue
                 try:
                     claim = await self.store.claim(self.token, self.settings.lease_s)
                 except BatchStoreUnavailable as exc:

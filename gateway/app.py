@@ -133,7 +133,7 @@ class Gateway:
         sender = LoopbackSender(build.loopback_url(settings), keys, batch.band, batch.concurrency, batch.item_timeout_s)
         self.batch_sender = sender
         self.batch_store = store
-        runner = Runner(batch, store, files, sender, metrics)
+        runner = Runner(batch, store, files, sender, metrics, accepting=lambda: not self.draining)
         self.batch_runner = runner
         self.batch_keys = keys
         self.batch = BatchApi(batch, store, files, runner, metrics, lambda request: self.endpoints.tenant(request).id)
