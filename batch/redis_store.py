@@ -87,10 +87,10 @@ return false
 RENEW_SCRIPT = (
     _NOW
     + """
-local until = string.format('%.0f', now + tonumber(ARGV[2]))
+local expiry = string.format('%.0f', now + tonumber(ARGV[2]))
 for i = 3, #ARGV do
   if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then
-    redis.call('ZADD', KEYS[1], 'XX', until, ARGV[i])
+    redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
   end
 end
 return 0

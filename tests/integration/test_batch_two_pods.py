@@ -33,11 +33,15 @@ class RecordingUpstream(_ScriptedUpstream):
         self.delay = delay
         self.received: collections.Counter[str] = collections.Counter()
         self.answered: collections.Counter[str] = collections.Counter()
+        self.headers: set[str] = set()
+        self.credentials: set[str | None] = set()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         key = body["messages"][0]["content"]
         self.received[key] += 1
+        self.headers.update(name.lower() for name in request.headers)
+        self.credentials.add(request.headers.get("Authorization"))
         await asyncio.sleep(self.delay)  # a pod killed now cancels this handler: not answered
         self.answered[key] += 1
         usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
@@ -122,6 +126,9 @@ def test_a_pod_killed_mid_batch_loses_and_duplicates_nothing(redis_server: Redis
     ran = {name: _item_lines(gw, batch.id) for name, gw in (("a", a), ("b", b))}
     assert ran["a"] > 0 and ran["b"] > 0
     assert ran["a"] + ran["b"] >= ITEMS
+    # The internal key and the band stay in the gateway.
+    assert recorder.credentials == {None}
+    assert "x-fleetgate-band" not in recorder.headers
     # Upstream: every item was answered. An item A had sent when it died is asked again once
     # its lease lapses (A never recorded an answer): if the replica had finished it, it ran
     # there twice, but its result is written once. So at most A's items in flight.
