@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONFIG ?= config.example.yaml
-SOURCES := gateway routing cache limits replicas sim redisconn common capacity dialects conversations tokens bench tests scripts
+SOURCES := gateway routing cache limits replicas sim redisconn common capacity dialects conversations tokens batch bench tests scripts
 
 .PHONY: run test test-unit test-integration test-e2e test-stress vllm-env lint typecheck bench-overhead clean
 

@@ -21,6 +21,9 @@ from typing import IO, Any
 
 from aiohttp import HttpVersion11, web
 
+from batch.loopback import KEY_ID as BATCH_KEY_ID
+from batch.loopback import InternalKeys, LoopbackSender
+from batch.runner import Runner
 from common.idle_trim import IdleTrim, glibc_malloc_trim, release_memory, trim_when_idle
 from dialects.base import Dialect
 from dialects.registry import DIALECTS
@@ -29,6 +32,7 @@ from gateway.accounting import REQUEST_ID_KEY, Accounting
 from gateway.admin import AdminApi
 from gateway.auth import KeyRing
 from gateway.autoscale import AutoscaleCollector, PendingTokens
+from gateway.batch_api import BatchApi
 from gateway.endpoints import CATCH_ALL, Endpoints, Handler
 from gateway.errors import ExpectationFailed, GatewayError, InternalError, error_response
 from gateway.exchange import CLIENT_CLOSED, REQUEST_ID_HEADER, Exchange, request_id
@@ -115,7 +119,24 @@ class Gateway:
             not_ready=self._not_ready,
             accounting=self.accounting,
         )
+        self.batch: BatchApi | None = None
+        self.batch_keys: InternalKeys | None = None
+        if settings.batch.enabled:
+            self._build_batch(settings)
         self.apply_tenants(settings.tenants, settings.admin_api_keys)
+
+    def _build_batch(self, settings: Settings) -> None:
+        """The Batch API: its store, files, runner (sending items to this process's listener
+        with an internal key per tenant) and handlers."""
+        store, files, metrics, keys = build.batch_parts(settings, self.metrics.registry, build.redis_security(settings))
+        batch = settings.batch
+        sender = LoopbackSender(build.loopback_url(settings), keys, batch.band, batch.concurrency, batch.item_timeout_s)
+        self.batch_sender = sender
+        self.batch_store = store
+        runner = Runner(batch, store, files, sender, metrics, accepting=lambda: not self.draining)
+        self.batch_runner = runner
+        self.batch_keys = keys
+        self.batch = BatchApi(batch, store, files, runner, metrics, lambda request: self.endpoints.tenant(request).id)
 
     def apply_settings(self, new: Settings) -> None:
         """A reloaded configuration: the parts that apply live (tenants, keys)."""
@@ -124,6 +145,9 @@ class Gateway:
     def apply_tenants(self, tenants: list[TenantSettings], admin_keys: list[str]) -> None:
         """Swap in a new set of tenants and keys (start-up and hot reload)."""
         entries = [(t.id, [k if isinstance(k, str) else (k.id, k.key) for k in t.api_keys]) for t in tenants]
+        if self.batch_keys is not None:  # each tenant's internal key: its batch items' credential
+            keys = self.batch_keys
+            entries += [(t.id, [(BATCH_KEY_ID, keys.digest_ref(t.id))]) for t in tenants]
         try:
             keyring, missing = KeyRing.build(entries)
             admin, missing_admin = KeyRing.build([("admin", admin_keys)])
@@ -225,6 +249,8 @@ def create_app(gateway: Gateway) -> web.Application:
         stored = logged(endpoints.stored_response(action), "responses_stored")
         app.router.add_route("*", f"/v1/responses/{{response_id}}/{action}", stored)
     app.router.add_get("/v1/models", logged(endpoints.list_models, "models"))
+    if gateway.batch is not None:
+        gateway.batch.add_routes(app, logged)
     app.router.add_get("/v1/models/{model:.+}", logged(endpoints.retrieve_model, "models"))
     _add_probes(app, gateway)
     if server.admin_port is None:
@@ -318,6 +344,10 @@ async def _lifecycle(app: web.Application) -> Any:
             await stack.enter_async_context(part)
         if gateway.spans is not None:
             await stack.enter_async_context(gateway.spans)
+        if gateway.batch is not None:  # last in, first out: the runner stops before the rest
+            await stack.enter_async_context(gateway.batch_store)
+            await stack.enter_async_context(gateway.batch_sender)
+            await stack.enter_async_context(gateway.batch_runner)
         if gateway.config_path is not None:
             count = gateway.metrics.config_reloads.labels
             await stack.enter_async_context(

@@ -14,6 +14,14 @@ import random
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
+from batch.files import LocalFileStore
+from batch.loopback import InternalKeys
+from batch.memory_store import MemoryBatchStore
+from batch.metrics import BatchMetrics
+from batch.redis_store import RedisBatchStore
+from batch.store import BatchStore
 from cache.metrics import CacheMetrics
 from cache.service import ResponseCache, create_response_cache
 from common.breaker import BreakerConfig
@@ -103,6 +111,33 @@ def response_state(
 ) -> ResponseState:
     store = create_response_store(settings.redis_url, settings.responses, security, clock=clock)
     return ResponseState(store, settings.responses, metrics)
+
+
+def batch_parts(
+    settings: Settings, registry: CollectorRegistry, security: RedisSecurity
+) -> tuple[BatchStore, LocalFileStore, BatchMetrics, InternalKeys]:
+    """The Batch API's store (Redis with ``redis_url``, else memory), files, metrics and the
+    process's internal keys (``batch.loopback``)."""
+    batch = settings.batch
+    store: BatchStore
+    if settings.redis_url is not None:
+        store = RedisBatchStore.from_url(settings.redis_url, batch, security)
+    else:
+        store = MemoryBatchStore()
+    return store, LocalFileStore(Path(batch.files_dir)), BatchMetrics(registry), InternalKeys()
+
+
+def loopback_url(settings: Settings) -> str:
+    """Where the runner reaches this process's own listener (``batch.loopback_url``, else
+    ``server.host:port``; a wildcard host is reached on 127.0.0.1)."""
+    if settings.batch.loopback_url is not None:
+        return settings.batch.loopback_url
+    host = settings.server.host
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{settings.server.port}"
 
 
 def prompt_counter(settings: Settings, env: Mapping[str, str]) -> PromptCounter:

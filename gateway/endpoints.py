@@ -73,7 +73,7 @@ class Endpoints:
 
         return wrapper
 
-    def _tenant(self, request: web.Request) -> TenantSettings:
+    def tenant(self, request: web.Request) -> TenantSettings:
         """The tenant of the request's API key (401 otherwise), noted for its log line."""
         key = self._keyring().owner_of(credential(request.headers))
         request[TENANT_KEY] = key.owner
@@ -82,7 +82,7 @@ class Endpoints:
     async def list_models(self, request: web.Request) -> web.Response:
         headers = {"x-request-id": request[REQUEST_ID_KEY]}
         try:
-            tenant = self._tenant(request)
+            tenant = self.tenant(request)
         except GatewayError as err:
             return error_response(err, headers)
         # Every tenant may call every fleet model, so every tenant sees every adapter too.
@@ -102,7 +102,7 @@ class Endpoints:
         headers = {"x-request-id": request[REQUEST_ID_KEY]}
         name = request.match_info["model"]
         try:
-            tenant = self._tenant(request)
+            tenant = self.tenant(request)
             parent = self._adapters.base_of(name)
             known = name == "auto" or name in self._fleet.by_model or name in self._aliases(tenant)
             if not known and parent is None:
@@ -119,7 +119,7 @@ class Endpoints:
         async def handler(request: web.Request) -> web.Response:
             headers = {"x-request-id": request[REQUEST_ID_KEY]}
             try:
-                tenant = self._tenant(request)
+                tenant = self.tenant(request)
                 response_id = request.match_info["response_id"]
                 if request.method == "DELETE" and not action:
                     response = await state.delete(tenant, response_id)

@@ -24,6 +24,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from batch.config import BatchSettings
 from cache.config import CacheServiceSettings, CacheSettings
 from conversations.config import ResponsesSettings
 from limits.config import TenantLimits
@@ -264,6 +265,9 @@ class Settings(BaseSettings):
     # Stored Responses (/v1/responses with store, previous_response_id): kept in Redis when
     # redis_url is set, else in this process's memory.
     responses: ResponsesSettings = ResponsesSettings()
+    # The Batch API (/v1/files, /v1/batches; docs/batch.md): its state and work queue in Redis
+    # when redis_url is set, else in this process's memory; file bodies under files_dir.
+    batch: BatchSettings = BatchSettings()
     # Unset: limits and caches live in this process's memory. redis://, rediss://,
     # redis+cluster://h:p[,h:p...] or redis+sentinel://h:p[,h:p...]/service (redisconn.target).
     redis_url: str | None = None

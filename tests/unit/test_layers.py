@@ -2,7 +2,7 @@
 
     gateway                   the HTTP surface; the composition root
     cache, limits, routing,   the services the gateway asks (each ignores the others)
-    conversations, tokens
+    conversations, tokens, batch
     sim                       the simulated replica `fleetgate sim` runs (vLLM's gauge names)
     capacity                  the planner `fleetgate bench` runs (reads replicas' /metrics)
     replicas                  the fleet routing chooses from
@@ -35,6 +35,7 @@ LAYERS = {
     "capacity": 3,
     "conversations": 3,
     "tokens": 3,
+    "batch": 3,
     "replicas": 2,
     "dialects": 2,
     "redisconn": 1,
