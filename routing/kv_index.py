@@ -230,6 +230,30 @@ class ReplicaBlocks:
 _RESTART_SLACK = 0
 
 
+class RequestBlocks:
+    """One request's prompt against the exact index: its chain hashed once per block size."""
+
+    __slots__ = ("_chains", "_kv", "_lora", "_token_ids")
+
+    def __init__(self, kv: KvIndex, token_ids: Sequence[int], lora_name: str | None = None) -> None:
+        self._kv = kv
+        self._token_ids = token_ids
+        self._lora = lora_name
+        self._chains: dict[int, list[int]] = {}
+
+    def cached_tokens(self, replica_id: str) -> int | None:
+        """Tokens of the prompt ``replica_id`` holds; None where its events are not in use or not exact."""
+        blocks = self._kv.exact_replica(replica_id)
+        if blocks is None:
+            return None
+        size = blocks.block_size
+        assert size is not None  # exact_replica returns only replicas with a block size
+        chain = self._chains.get(size)
+        if chain is None:
+            chain = self._chains[size] = chain_hashes(self._token_ids, size, self._lora)
+        return blocks.cached_blocks(chain) * size
+
+
 class KvIndex:
     """Every replica's ``ReplicaBlocks`` that publishes events, by replica id (one per gateway)."""
 
@@ -248,14 +272,20 @@ class KvIndex:
     def forget(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)
 
-    def cached_tokens(self, token_ids: Sequence[int], replica_id: str, lora_name: str | None = None) -> int | None:
-        """Tokens of the prompt ``token_ids`` the replica holds cached, or None when its
-        events are not in use or not exact now (the caller then reads the estimate)."""
+    def exact_replica(self, replica_id: str) -> ReplicaBlocks | None:
+        """``replica_id``'s blocks when they are its whole cache (None: no events, or not exact now)."""
         blocks = self._replicas.get(replica_id)
         if blocks is None or not blocks.exact or blocks.block_size is None:
             return None
-        size = blocks.block_size
-        return blocks.cached_blocks(chain_hashes(token_ids, size, lora_name)) * size
+        return blocks
+
+    def cached_tokens(self, token_ids: Sequence[int], replica_id: str, lora_name: str | None = None) -> int | None:
+        """Tokens of the prompt ``token_ids`` the replica holds cached, or None when its
+        events are not in use or not exact now (the caller then reads the estimate)."""
+        return RequestBlocks(self, token_ids, lora_name).cached_tokens(replica_id)
+
+    def request(self, token_ids: Sequence[int], lora_name: str | None = None) -> RequestBlocks:
+        return RequestBlocks(self, token_ids, lora_name)
 
     def describe(self) -> dict[str, dict[str, object]]:
         """Per replica, for ``/admin/fleet``."""

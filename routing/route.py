@@ -21,7 +21,7 @@ The route reads the router through ``RouteContext`` so that this module does not
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -72,7 +72,13 @@ class RouteContext(Protocol):
         ...
 
     def route_request(
-        self, prompt: PromptView, prompt_tokens: int, max_tokens: int, session: str | None = None
+        self,
+        prompt: PromptView,
+        prompt_tokens: int,
+        max_tokens: int,
+        session: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        lora_name: str | None = None,
     ) -> RouteRequest:
         """The policy's view of a request."""
         ...
@@ -104,6 +110,7 @@ class Route:
         "served",
         "session",
         "tenant",
+        "token_ids",
     )
 
     def __init__(
@@ -116,8 +123,11 @@ class Route:
         choice: TierChoice | None = None,
         tenant: str = "",
         session: str | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
         self._router = router
+        # The prompt's token ids, where the model's replicas publish KV events (else None).
+        self.token_ids = token_ids
         self.tenant = tenant
         self.session = session
         self.model = model
@@ -187,7 +197,9 @@ class Route:
         if self._request is None:
             # First pick: the policy's view of the request, built once; the request counts
             # towards its pool's retry budget.
-            self._request = router.route_request(self.prompt, self.prompt_tokens, self.max_tokens, self.session)
+            self._request = router.route_request(
+                self.prompt, self.prompt_tokens, self.max_tokens, self.session, self.token_ids, self.adapter
+            )
             chain[0].budget.deposit(now)
         request = self._request
         for position, pool in enumerate(chain):
@@ -200,7 +212,7 @@ class Route:
             index = pool.index
             if index is not None and request.prefix_keys:
                 keys = request.prefix_keys
-                self._prefill = request.uncached_tokens(index.depth(keys, replica.id))
+                self._prefill = request.uncached_on(replica.id, index)
                 # A stall spill is a detour: the prefix stays recorded (and homed) where it was.
                 if decision.reason != "stall_spill":
                     sizes, rest = request.block_tokens()
@@ -208,6 +220,8 @@ class Route:
                     index.record(keys, sizes, replica.id, rest_tokens=rest, capacity_tokens=capacity)
                     if index.replicas() > len(pool.replicas):  # some left (discovery): their entries go
                         index.retain({r.id for r in pool.replicas})
+            elif request.exact is not None:
+                self._prefill = request.uncached_on(replica.id, None)
             else:
                 self._prefill = self.prompt_tokens
             router.metrics.decided(pool.model, decision.reason)

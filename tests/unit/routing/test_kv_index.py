@@ -127,3 +127,20 @@ def test_describe_reports_each_replica() -> None:
     index.replica("r0").apply(batch(0, stored([11], None, PROMPT[:4])), now=0.0)
     d = index.describe()["r0"]
     assert d["exact"] is True and d["blocks"] == 1 and d["last_seq"] == 0 and d["block_size"] == BS
+
+
+def test_a_route_request_reads_exact_numbers_where_events_are_in_use_and_the_estimate_elsewhere() -> None:
+    from routing.policies import RouteRequest
+    from routing.prefix_index import PrefixIndex
+
+    kv = KvIndex()
+    kv.replica("r0").apply(batch(0, stored([11, 12], None, PROMPT[:8])), now=0.0)
+    estimate = PrefixIndex()
+    estimate.record((1, 2), (7, 7), "r1")
+    request = RouteRequest((1, 2), 14, 10, (100, 200), 200, exact=kv.request(PROMPT))
+    assert request.cached_on("r0", estimate) == 8  # exact: two blocks of 4
+    assert request.uncached_on("r0", estimate) == 14 - 8
+    assert request.cached_on("r1", estimate) == 14 - 1  # the estimate: both keys, all but the last token
+    assert request.uncached_on("r2", estimate) == 14  # nothing known
+    whole = RouteRequest((), 8, 1, exact=kv.request(PROMPT[:8]))
+    assert whole.uncached_on("r0", None) == 1  # a whole prompt cached still computes its last token
