@@ -22,14 +22,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from routing.kv_events import END_OF_REPLAY, EventBatch, KvEventDecodeError, decode_batch, decode_seq
-from routing.kv_index import ReplicaBlocks, Sync
+from routing.kv_index import KvIndex, ReplicaBlocks, Sync
 
 log = logging.getLogger("fleetgate.kv_events")
 
@@ -113,13 +113,18 @@ class KvSubscriber:
         # A gateway starting beside a running engine has missed its first batches.
         await self._resync()
         while True:
+            if self._resync_wanted:
+                wait_s = self._resync_wait_s()
+                if wait_s <= 0:
+                    self._resync_wanted = False
+                    await self._resync()
+                    continue
+                if not await sub.poll(wait_s * 1000):
+                    continue  # nothing came meanwhile: the resync is due now
             frames = await sub.recv_multipart()
             sync = self._on_frames(frames)
-            if sync is Sync.GAP or (sync is Sync.RESTART and not self.blocks.exact):
+            if self.where.replay is not None and (sync is Sync.GAP or (sync is Sync.RESTART and not self.blocks.exact)):
                 self._resync_wanted = True
-            if self._resync_wanted and self._resync_due():
-                self._resync_wanted = False
-                await self._resync()
 
     def _on_frames(self, frames: list[bytes]) -> Sync | None:
         self.counts.received += 1
@@ -141,11 +146,10 @@ class KvSubscriber:
             )
         return sync
 
-    def _resync_due(self) -> bool:
-        if self.where.replay is None:
-            return False
+    def _resync_wait_s(self) -> float:
+        """How long until the next resync may run (0 or less: now)."""
         last = self._last_resync
-        return last is None or self._clock() - last >= self._min_resync_interval_s
+        return 0.0 if last is None else last + self._min_resync_interval_s - self._clock()
 
     async def _resync(self) -> None:
         """Rebuild the set from the engine's replay buffer, from sequence 0."""
@@ -161,7 +165,8 @@ class KvSubscriber:
             log.warning("KV events: replay failed", extra={"replica": self.replica_id, "reason": str(exc)[:200]})
             return
         if not batches:
-            return  # an engine that has published nothing: the stream starts at 0 by itself
+            self.blocks.start_empty(self._clock())  # an engine that has published nothing yet
+            return
         exact = self.blocks.rebuild(batches, self._clock())
         log.info(
             "KV events: resynchronised from the replay buffer",
@@ -202,3 +207,33 @@ class KvSubscriber:
             "replay_failures": c.replay_failures,
             **({"last_error": c.last_error} if c.last_error else {}),
         }
+
+
+class KvEventStreams:
+    """Every publishing replica's subscriber, reading into one ``KvIndex``: an async context
+    manager (entered after the fleet, so a managed replica's ports are chosen; its sockets
+    connect before the engine binds and ZMQ reconnects until it does)."""
+
+    def __init__(
+        self, endpoints: Mapping[str, EventsEndpoint], index: KvIndex, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.index = index
+        self._clock = clock
+        self.subscribers = {
+            rid: KvSubscriber(rid, where, index.replica(rid), clock=clock) for rid, where in endpoints.items()
+        }
+
+    async def __aenter__(self) -> KvEventStreams:
+        for subscriber in self.subscribers.values():
+            subscriber.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for subscriber in reversed(list(self.subscribers.values())):
+            await subscriber.close()
+
+    def describe(self) -> dict[str, dict[str, object]]:
+        """Per replica: whether its events are in use (``exact``), blocks held, last sequence,
+        gaps and resyncs, the stream's counts (``/admin/fleet``)."""
+        blocks = self.index.describe()
+        return {rid: {**blocks.get(rid, {}), **s.describe()} for rid, s in self.subscribers.items()}

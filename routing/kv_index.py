@@ -151,6 +151,13 @@ class ReplicaBlocks:
         if not exact:
             self.last_seq = None
 
+    def start_empty(self, now: float) -> None:
+        """The engine's replay buffer is empty: it has published nothing, so its cache holds
+        nothing the gateway could match, exactly; its first batch (sequence 0) is next."""
+        if self.last_seq is None:
+            self.clear(exact=True)
+            self.updated = now
+
     def rebuild(self, batches: Sequence[EventBatch], now: float) -> bool:
         """Replace the set with a replay of the engine's buffer; exact only when the replay
         starts at sequence 0 and has no hole. Returns whether it is exact."""
@@ -247,7 +254,8 @@ class RequestBlocks:
         if blocks is None:
             return None
         size = blocks.block_size
-        assert size is not None  # exact_replica returns only replicas with a block size
+        if size is None:  # nothing stored since the engine started: an empty cache
+            return 0
         chain = self._chains.get(size)
         if chain is None:
             chain = self._chains[size] = chain_hashes(self._token_ids, size, self._lora)
@@ -275,7 +283,7 @@ class KvIndex:
     def exact_replica(self, replica_id: str) -> ReplicaBlocks | None:
         """``replica_id``'s blocks when they are its whole cache (None: no events, or not exact now)."""
         blocks = self._replicas.get(replica_id)
-        if blocks is None or not blocks.exact or blocks.block_size is None:
+        if blocks is None or not blocks.exact:
             return None
         return blocks
 

@@ -144,3 +144,15 @@ def test_a_route_request_reads_exact_numbers_where_events_are_in_use_and_the_est
     assert request.uncached_on("r2", estimate) == 14  # nothing known
     whole = RouteRequest((), 8, 1, exact=kv.request(PROMPT[:8]))
     assert whole.uncached_on("r0", None) == 1  # a whole prompt cached still computes its last token
+
+
+def test_an_engine_that_published_nothing_is_exact_and_empty() -> None:
+    index = KvIndex()
+    r = index.replica("r0")
+    assert index.cached_tokens(PROMPT, "r0") is None  # nothing known yet
+    r.start_empty(now=0.0)
+    assert index.cached_tokens(PROMPT, "r0") == 0
+    assert r.apply(batch(0, stored([11], None, PROMPT[:4])), now=1.0) is Sync.NEXT
+    assert index.cached_tokens(PROMPT, "r0") == 4
+    r.start_empty(now=2.0)  # a late empty replay changes nothing once batches were applied
+    assert index.cached_tokens(PROMPT, "r0") == 4
