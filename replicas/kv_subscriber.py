@@ -123,6 +123,8 @@ class KvSubscriber:
                     continue  # nothing came meanwhile: the resync is due now
             frames = await sub.recv_multipart()
             sync = self._on_frames(frames)
+            if sync is Sync.NEXT and self.blocks.exact:
+                self._resync_wanted = False  # the stream began at 0 while a replay was pending
             if self.where.replay is not None and (sync is Sync.GAP or (sync is Sync.RESTART and not self.blocks.exact)):
                 self._resync_wanted = True
 
@@ -161,7 +163,10 @@ class KvSubscriber:
             batches = await self._replay(self.where.replay)
         except (zmq.ZMQError, KvEventDecodeError, TimeoutError) as exc:
             self.counts.replay_failures += 1
-            self.counts.last_error = f"replay: {exc}"[:200]
+            self.counts.last_error = f"replay: {type(exc).__name__} {exc}"[:200]
+            # Tried again (every ``min_resync_interval_s``) unless a batch 0 makes it needless:
+            # a replica still starting has not bound its replay socket yet.
+            self._resync_wanted = self.blocks.last_seq is None or not self.blocks.exact
             log.warning("KV events: replay failed", extra={"replica": self.replica_id, "reason": str(exc)[:200]})
             return
         if not batches:

@@ -101,6 +101,7 @@ class Route:
         "budget_denied",
         "choice",
         "degraded",
+        "kv_cached",
         "max_tokens",
         "model",
         "prompt",
@@ -141,6 +142,8 @@ class Route:
         # Prompt tokens the last chosen replica must compute (its cached prefix excluded).
         self._prefill = prompt_tokens
         self.reason: str | None = None
+        # Prompt tokens the chosen replica held, by its KV events (None: not read from events).
+        self.kv_cached: int | None = None
         self.served: str | None = None
         self.queued_s: float | None = None
         self.degraded: str | None = None
@@ -208,6 +211,7 @@ class Route:
             if replica is None:
                 continue
             self.reason = decision.reason
+            self.kv_cached = request.exact.cached_tokens(replica.id) if request.exact is not None else None
             self.served = pool.model
             index = pool.index
             if index is not None and request.prefix_keys:
@@ -277,6 +281,8 @@ class Route:
             entry["route"] = self.reason
         if self.served is not None and self.served != self.model:
             entry["fallback"] = self.served
+        if self.kv_cached is not None:
+            entry["kv_cached_tokens"] = self.kv_cached
         if self.queued_s is not None:
             entry["queued_ms"] = round(self.queued_s * 1000, 2)
         if self.degraded is not None:
