@@ -94,10 +94,13 @@ def vllm_argv(port: int, served_model: str, rs: ReplicaSettings) -> list[str]:
 
 def kv_events_args(publish_port: int, replay_port: int) -> list[str]:
     """vLLM's ``--kv-events-config`` publishing on ``publish_port``, replaying on ``replay_port``."""
+    # vLLM binds its PUB socket only for a wildcard address (``tcp://*:port``) and *connects*
+    # to any other (``ZmqEventPublisher._is_bind_endpoint``): a loopback address would have it
+    # connect to nobody. The replay socket is always bound.
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{publish_port}",
+        "endpoint": f"tcp://*:{publish_port}",
         "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }
     return ["--kv-events-config", json.dumps(config)]
