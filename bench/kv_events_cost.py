@@ -7,7 +7,7 @@ gateway's subscriber (``replicas.kv_subscriber.KvSubscriber``) into a ``ReplicaB
 asyncio loop, and measures, against the same loop without a stream: the process's CPU seconds
 per wall second, and the loop's lag (how late a 10 ms sleep wakes up, p50/p99/max).
 
-    PYTHONPATH=$PWD .venv/bin/python bench/kv_events_cost.py --seconds 20
+    PYTHONPATH=$PWD .venv/bin/python -m bench.kv_events_cost --seconds 20
 """
 
 from __future__ import annotations
