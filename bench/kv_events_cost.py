@@ -52,7 +52,8 @@ def publish(endpoint: str, blocks_per_s: int, chain: int, held: int, seconds: fl
 
 
 async def measure(endpoint: str | None, seconds: float) -> dict[str, float]:
-    from replicas.kv_subscriber import EventsEndpoint, KvSubscriber
+    from replicas.config import EventsEndpoint
+    from replicas.kv_subscriber import KvSubscriber
     from routing.kv_index import ReplicaBlocks
 
     blocks = ReplicaBlocks()

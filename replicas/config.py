@@ -8,6 +8,7 @@ Validated once at load, then handed to the fleet as frozen objects.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -73,6 +74,15 @@ class SimSettings(_Frozen):
     # A model directory whose tokenizer and chat template make the prompts' token ids (chat and
     # completions), as the gateway's do: what KV events from a simulated replica need to match.
     tokenizer: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EventsEndpoint:
+    """Where a replica publishes: the PUB endpoint, its replay endpoint (None: none), the topic."""
+
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
 
 
 class KubernetesSource(_Frozen):

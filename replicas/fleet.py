@@ -22,10 +22,16 @@ import aiohttp
 
 from common.breaker import BreakerConfig, CircuitBreaker
 from common.tasks import stop
-from replicas.config import HealthSettings, KubernetesSource, ModelReplicas, ReplicaSettings, RestartSettings
+from replicas.config import (
+    EventsEndpoint,
+    HealthSettings,
+    KubernetesSource,
+    ModelReplicas,
+    ReplicaSettings,
+    RestartSettings,
+)
 from replicas.credentials import CredentialError, upstream_headers
 from replicas.health import HealthChecker
-from replicas.kv_subscriber import EventsEndpoint
 from replicas.launcher import LaunchSpec, ManagedProcess, free_port
 from replicas.readiness import fleet_state_known
 from replicas.replica import ProbeKind, Replica, ReplicaState

@@ -24,12 +24,14 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import zmq
-import zmq.asyncio
-
+from replicas.config import EventsEndpoint
 from routing.kv_events import END_OF_REPLAY, EventBatch, KvEventDecodeError, decode_batch, decode_seq
 from routing.kv_index import KvIndex, ReplicaBlocks, Sync
+
+if TYPE_CHECKING:
+    import zmq.asyncio
 
 log = logging.getLogger("fleetgate.kv_events")
 
@@ -53,15 +55,6 @@ class SubscriberCounts:
     by_sync: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class EventsEndpoint:
-    """Where a replica publishes: the PUB endpoint, its replay endpoint (None: none), the topic."""
-
-    endpoint: str
-    replay: str | None = None
-    topic: str = ""
-
-
 class KvSubscriber:
     """Reads one replica's events into its ``ReplicaBlocks`` until closed."""
 
@@ -81,6 +74,11 @@ class KvSubscriber:
         self.blocks = blocks
         self.counts = SubscriberCounts()
         self._clock = clock
+        # pyzmq is imported where a replica publishes: a fleet without events never loads it.
+        import zmq
+        import zmq.asyncio
+
+        self._zmq = zmq
         self._ctx = context or zmq.asyncio.Context.instance()
         self._replay_timeout_s = replay_timeout_s
         self._min_resync_interval_s = min_resync_interval_s
@@ -93,6 +91,7 @@ class KvSubscriber:
     def start(self) -> None:
         if self._task is not None:
             raise RuntimeError("already started")
+        zmq = self._zmq
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.where.topic.encode())
@@ -161,7 +160,7 @@ class KvSubscriber:
         self.counts.replays += 1
         try:
             batches = await self._replay(self.where.replay)
-        except (zmq.ZMQError, KvEventDecodeError, TimeoutError) as exc:
+        except (self._zmq.ZMQError, KvEventDecodeError, TimeoutError) as exc:
             self.counts.replay_failures += 1
             self.counts.last_error = f"replay: {type(exc).__name__} {exc}"[:200]
             # Tried again (every ``min_resync_interval_s``) unless a batch 0 makes it needless:
@@ -181,8 +180,8 @@ class KvSubscriber:
     async def _replay(self, endpoint: str) -> list[EventBatch]:
         # A DEALER speaks to vLLM's ROUTER as a REQ would (the empty delimiter frame), but
         # takes its many replies.
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._ctx.socket(self._zmq.DEALER)
+        sock.setsockopt(self._zmq.LINGER, 0)
         try:
             sock.connect(endpoint)
             await sock.send_multipart([b"", (0).to_bytes(8, "big")])

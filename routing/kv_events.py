@@ -26,11 +26,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 
-# msgpack ships no annotations for its C functions.
-_unpackb: Callable[..., Any] = msgpack.unpackb  # type: ignore[attr-defined]
-_packb: Callable[..., bytes] = msgpack.packb
+def _unpackb(payload: bytes) -> Any:
+    # Imported on first use: routing's request path (policies -> kv_index) loads this module's
+    # types, and a gateway whose replicas publish nothing never needs the codec.
+    import msgpack
+
+    unpack: Callable[..., Any] = msgpack.unpackb  # type: ignore[attr-defined]  # no annotations
+    try:
+        return unpack(payload, raw=False, strict_map_key=False)
+    except msgpack.UnpackException as exc:  # OutOfData (a cut frame) is no ValueError
+        raise ValueError(str(exc) or type(exc).__name__) from exc
+
+
+def _packb(obj: Any) -> bytes:
+    import msgpack
+
+    pack: Callable[..., bytes] = msgpack.packb
+    return pack(obj, use_bin_type=True)
+
 
 # The sequence frame's width, and the replay socket's end-of-replay marker (seq -1).
 SEQ_BYTES = 8
@@ -89,8 +103,8 @@ def decode_seq(frame: bytes) -> int:
 def decode_batch(seq: int, payload: bytes) -> EventBatch:
     """The batch in ``payload`` (msgpack), or ``KvEventDecodeError``."""
     try:
-        raw = _unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+        raw = _unpackb(payload)
+    except ValueError as exc:
         raise KvEventDecodeError(f"not msgpack: {exc}") from exc
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise KvEventDecodeError("a batch is an array [ts, events, ...]")
@@ -175,8 +189,7 @@ def encode_batch(ts: float, events: Sequence[KvEvent], data_parallel_rank: int =
             out.append({"type": "BlockRemoved", "block_hashes": list(e.block_hashes), "medium": e.medium})
         else:
             out.append({"type": "AllBlocksCleared"})
-    packed = _packb([ts, out, data_parallel_rank], use_bin_type=True)
-    return packed
+    return _packb([ts, out, data_parallel_rank])
 
 
 def encode_seq(seq: int) -> bytes:

@@ -18,7 +18,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dialects.openai import CHAT
 from gateway.settings import hash_key
-from replicas.kv_subscriber import EventsEndpoint, KvSubscriber
+from replicas.config import EventsEndpoint
+from replicas.kv_subscriber import KvSubscriber
 from replicas.launcher import free_port
 from routing.kv_index import ReplicaBlocks
 from sim.batched_engine import BatchedSimEngine

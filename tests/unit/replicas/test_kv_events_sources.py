@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from gateway import build as gateway_build
 from gateway.settings import ConfigError, HealthSettings, ModelSettings, ReplicaSettings, RestartSettings, Settings
+from replicas.config import EventsEndpoint
 from replicas.fleet import Fleet
-from replicas.kv_subscriber import EventsEndpoint
 
 
 def fleet(*sources: ReplicaSettings, tokenized: tuple[str, ...] = ("m",)) -> Fleet:
