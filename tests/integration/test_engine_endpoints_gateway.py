@@ -49,8 +49,8 @@ async def test_rerank_score_tokenize_detokenize(tmp_path: Path) -> None:
         assert all(line["status"] == 200 for line in lines)
         assert lines[0]["prompt_tokens"] == via.json()["usage"]["total_tokens"]  # settled on the reported usage
         metrics = gw.metrics.requests
-        assert metrics.labels("rerank", MODEL, "200")._value.get() == 2
-        assert metrics.labels("tokenize", MODEL, "200")._value.get() == 1
+        assert metrics.labels("rerank", MODEL, "200", "interactive")._value.get() == 2
+        assert metrics.labels("tokenize", MODEL, "200", "interactive")._value.get() == 1
 
 
 async def test_unknown_model_and_bad_bodies_are_refused_in_openai_shape(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ async def test_unknown_model_and_bad_bodies_are_refused_in_openai_shape(tmp_path
             assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
             bad = await http.post("/detokenize", json={"model": MODEL, "tokens": "abc"})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-            unknown = await http.post("/v1/batches", json={})
+            unknown = await http.post("/v1/fine_tuning/jobs", json={})
             assert unknown.status_code == 404
             message = unknown.json()["error"]["message"]
             assert "/v1/responses" in message and "/v1/messages" in message and "/v1/rerank" in message
