@@ -32,13 +32,10 @@ import asyncio
 import contextlib
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,14 +45,13 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import aiohttp
 import orjson
-import yaml
 
-from bench.continuation_failover import Gateway
+from bench.continuation_failover import Gateway, serve
 from bench.routing_vllm import VLLM_PYTHON, build_tiny_model
 from bench.soak import cpu_name
 from capacity.loadgen import StreamError, stream_chunks
 from gateway.settings import hash_key
-from replicas.launcher import free_port, group_members
+from replicas.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "bands.md"
@@ -142,37 +138,6 @@ def gateway_config(port: int, model_dir: Path, args: argparse.Namespace, policy:
         ],
         "admin_api_keys": [f"sha256:{hash_key(ADMIN_KEY)}"],
     }
-
-
-@contextlib.contextmanager
-def gateway(workdir: Path, config: dict[str, Any]) -> Iterator[Gateway]:
-    path = workdir / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    gw = Gateway(workdir, int(config["server"]["port"]))
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
-    with (workdir / "access.log").open("wb") as out, (workdir / "gateway.log").open("wb") as err:
-        gw.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--log-dir", str(workdir)],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-        )
-        try:
-            yield gw
-        finally:
-            if gw.proc.poll() is None:
-                gw.proc.send_signal(signal.SIGTERM)
-                try:
-                    gw.proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(gw.proc.pid, signal.SIGKILL)
-                    gw.proc.wait()
-            for pgid in gw.pgids | {gw.proc.pid}:  # nothing it started outlives it
-                if group_members(pgid):
-                    with contextlib.suppress(OSError):
-                        os.killpg(pgid, signal.SIGKILL)
 
 
 def prompt(rng: random.Random, words: int) -> str:
@@ -297,7 +262,7 @@ async def run_phase(session: aiohttp.ClientSession, gw: Gateway, args: argparse.
 async def run_policy(model_dir: Path, args: argparse.Namespace, policy: str) -> dict[str, Any]:
     port = free_port()
     config = gateway_config(port, model_dir, args, policy)
-    with tempfile.TemporaryDirectory(prefix="bands-vllm-") as tmp, gateway(Path(tmp), config) as gw:
+    with tempfile.TemporaryDirectory(prefix="bands-vllm-") as tmp, serve(Path(tmp), config) as gw:
         timeout = aiohttp.ClientTimeout(total=900)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:

@@ -227,13 +227,21 @@ class Gateway:
 
 @contextlib.contextmanager
 def gateway(workdir: Path, port: int, model_dir: Path, dtype: str) -> Iterator[Gateway]:
-    config = workdir / "config.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(port, model_dir, dtype)))
-    gw = Gateway(workdir, port)
+    with serve(workdir, gateway_config(port, model_dir, dtype)) as gw:
+        yield gw
+
+
+@contextlib.contextmanager
+def serve(workdir: Path, config: dict[str, Any]) -> Iterator[Gateway]:
+    """``fleetgate serve`` on ``config`` (its access log and stderr in ``workdir``); on exit,
+    it and every replica process group it started are gone, stopped ones woken first."""
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gw = Gateway(workdir, int(config["server"]["port"]))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     with (workdir / "access.log").open("wb") as out, (workdir / "gateway.log").open("wb") as err:
         gw.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--log-dir", str(workdir)],
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--log-dir", str(workdir)],
             cwd=ROOT,
             env=env,
             stdout=out,
