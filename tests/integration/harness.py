@@ -93,6 +93,20 @@ async def in_process_gateway(config: dict[str, Any], tmp_path: Path) -> AsyncIte
 PROBE_ENDPOINTS = frozenset({"healthz", "readyz", "metrics"})
 
 
+async def until(check: Any, within_s: float = 5.0) -> None:
+    """Poll a condition on the gateway's state (set by other tasks) until it holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not check():
+        assert loop.time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+def queued(gw: Gateway, model: str) -> int:
+    """Requests waiting in ``model``'s admission queue."""
+    return gw.router.pools[model].admission.queued
+
+
 def access_lines(access: io.BytesIO) -> list[dict[str, Any]]:
     """The access-log lines of the requests a test sent (the harness's own probes left out)."""
     return request_lines(access.getvalue())

@@ -15,9 +15,8 @@ from typing import Any
 
 import httpx
 
-from gateway.app import Gateway
 from gateway.settings import hash_key
-from tests.integration.harness import access_lines, in_process_gateway, sim_upstream
+from tests.integration.harness import access_lines, in_process_gateway, queued, sim_upstream, until
 
 MODEL = "m"
 CHAT_KEY = "sk-band-chat"
@@ -55,18 +54,6 @@ async def post(client: httpx.AsyncClient, url: str, key: str, band: str | None =
     )
 
 
-async def until(check: Any, within_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not check():
-        assert loop.time() < deadline, "condition never held"
-        await asyncio.sleep(0.01)
-
-
-def queued(gw: Gateway) -> int:
-    return gw.router.pools[MODEL].admission.queued
-
-
 async def test_interactive_requests_overtake_queued_batch_band_requests(tmp_path: Path) -> None:
     async with sim_upstream(MODEL, ttft_ms=5, tokens_per_s=250) as up:
         async with in_process_gateway(config(up), tmp_path) as (url, gw, access):
@@ -84,9 +71,9 @@ async def test_interactive_requests_overtake_queued_batch_band_requests(tmp_path
                 await until(lambda: gw.router.pools[MODEL].replicas[0].outstanding_requests == 1)
                 tasks += [asyncio.create_task(send(BULK_KEY, f"batch{i}")) for i in range(1, 4)]
                 tasks.append(asyncio.create_task(send(CHAT_KEY, "chat-as-batch", "batch")))
-                await until(lambda: queued(gw) == 4)
+                await until(lambda: queued(gw, MODEL) == 4)
                 tasks += [asyncio.create_task(send(CHAT_KEY, f"chat{i}")) for i in range(2)]
-                await until(lambda: queued(gw) == 6)
+                await until(lambda: queued(gw, MODEL) == 6)
                 replies = await asyncio.gather(*tasks)
                 priorities = (await client.get(f"{up}/sim/priorities")).json()
                 metrics = (await client.get(f"{url}/metrics")).text
@@ -142,7 +129,7 @@ async def test_a_lower_bands_backlog_bound_sheds_it_with_429_first(tmp_path: Pat
                 busy = asyncio.create_task(post(client, url, BULK_KEY))
                 await until(lambda: gw.router.pools[MODEL].replicas[0].outstanding_requests == 1)
                 waiting = [asyncio.create_task(post(client, url, BULK_KEY)) for _ in range(2)]
-                await until(lambda: queued(gw) == 2)
+                await until(lambda: queued(gw, MODEL) == 2)
                 shed = await post(client, url, CHAT_KEY, "batch")
                 assert shed.status_code == 429
                 assert shed.json()["error"]["code"] == "band_full"

@@ -13,15 +13,16 @@ from typing import Any
 
 import httpx
 
-from gateway.app import Gateway
 from tests.integration.harness import (
     API_KEY,
     OTHER_KEY,
     CountingUpstream,
     access_lines,
     in_process_gateway,
+    queued,
     serve_app,
     tenants,
+    until,
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -43,19 +44,6 @@ async def post(client: httpx.AsyncClient, url: str, key: str = API_KEY, **header
     )
 
 
-async def until(check: Any, within_s: float = 5.0) -> None:
-    """Poll a condition on the gateway's state (set by other tasks) until it holds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not check():
-        assert loop.time() < deadline, "condition never held"
-        await asyncio.sleep(0.01)
-
-
-def queued(gw: Gateway) -> int:
-    return gw.router.pools["m"].admission.queued
-
-
 async def test_flooding_tenant_does_not_starve_another(tmp_path: Path) -> None:
     upstream = CountingUpstream("m", delay=0.5)
     # Quantum below one request's cost (100 max_tokens + prompt): one request per visit.
@@ -71,7 +59,7 @@ async def test_flooding_tenant_does_not_starve_another(tmp_path: Path) -> None:
 
             async with httpx.AsyncClient(timeout=30) as client:
                 flood = [asyncio.create_task(send(API_KEY, f"flood{i}")) for i in range(8)]
-                await until(lambda: queued(gw) == 7)
+                await until(lambda: queued(gw, "m") == 7)
                 started = loop.time()
                 await send(OTHER_KEY, "quiet")
                 quiet_wait = loop.time() - started
@@ -103,7 +91,7 @@ async def test_full_queue_is_429_with_retry_after(tmp_path: Path) -> None:
         async with in_process_gateway(one_slot(up, {"max_queue_length": 2}), tmp_path) as (url, gw, _):
             async with httpx.AsyncClient(timeout=30) as client:
                 waiting = [asyncio.create_task(post(client, url)) for _ in range(3)]
-                await until(lambda: queued(gw) == 2)
+                await until(lambda: queued(gw, "m") == 2)
                 metrics = (await client.get(f"{url}/metrics")).text
                 refused = await post(client, url)
                 assert refused.status_code == 429
@@ -144,7 +132,7 @@ async def test_waiting_too_long_is_503_by_priority(tmp_path: Path) -> None:
                     assert refused.json()["error"]["code"] == "queue_timeout"
                 assert (await busy).status_code == 200
             assert access_lines(access)[-2]["queued_ms"] >= 250
-            assert queued(gw) == 0 and upstream.requests == 1
+            assert queued(gw, "m") == 0 and upstream.requests == 1
 
 
 async def test_deadline_while_queued_is_504(tmp_path: Path) -> None:
@@ -174,10 +162,10 @@ async def test_client_leaving_while_queued_frees_its_slot(tmp_path: Path) -> Non
                 first = asyncio.create_task(post(client, url))
                 await until(lambda: upstream.in_flight == 1)
                 gone = asyncio.create_task(post(leaving, url))
-                await until(lambda: queued(gw) == 1)
+                await until(lambda: queued(gw, "m") == 1)
                 gone.cancel()
                 await leaving.aclose()  # the connection closes: the gateway cancels the handler
-                await until(lambda: queued(gw) == 0)
+                await until(lambda: queued(gw, "m") == 0)
                 later = await post(client, url, OTHER_KEY)
                 assert later.status_code == 200
                 assert (await first).status_code == 200
