@@ -263,15 +263,28 @@ CONTINUED_TOKENS = 1200
 
 class Cutter:
     """A TCP relay standing for the network path to one replica: ``cut`` resets every
-    connection through it and refuses new ones, as a node that is gone would. The shared
-    fleet's replica behind it keeps running for the tests after this one."""
+    connection through it and refuses new ones, as a node that is gone would. What the
+    replica sends back goes at ``answer_bytes_per_s`` (the tiny model writes a 1200-token
+    stream in about a second, sometimes all at once), and ``hold`` keeps it back until
+    ``release``: a stream cannot end before the test takes its replica away, however fast
+    the engine. The shared fleet's replica behind it keeps running for the tests after
+    this one."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, answer_bytes_per_s: float = 64_000) -> None:
         host, port = target.removeprefix("http://").rsplit(":", 1)
         self._target = (host, int(port))
         self._links: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._answer_bytes_per_s = answer_bytes_per_s
         self.url = ""
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
 
     async def __aenter__(self) -> Cutter:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
@@ -289,14 +302,25 @@ class Cutter:
             return
         self._links.update((writer, up_writer))
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def answer(chunk: bytes) -> None:
+            await self._flowing.wait()
+            await asyncio.sleep(len(chunk) / self._answer_bytes_per_s)
+
+        async def pipe(
+            src: asyncio.StreamReader,
+            dst: asyncio.StreamWriter,
+            size: int,
+            pace: Callable[[bytes], Awaitable[None]] | None = None,
+        ) -> None:
             with contextlib.suppress(OSError):
-                while chunk := await src.read(65536):
+                while chunk := await src.read(size):
+                    if pace is not None:
+                        await pace(chunk)
                     dst.write(chunk)
                     await dst.drain()
             dst.transport.abort()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer, 65536), pipe(up_reader, writer, 2048, answer))
         self._links.difference_update((writer, up_writer))
 
     def cut(self) -> None:
@@ -329,9 +353,9 @@ async def test_streams_of_every_api_outlive_their_replica(vllm_fleet: E2EGateway
                 anthropic.AsyncAnthropic(base_url=gw.url, api_key=API_KEY, max_retries=0, timeout=180) as claude,
             ):
                 clients = StreamClients(oai, claude)
-                await streams_moved(gw, clients, "drain", lambda: gw.drain("tiny-0"))
+                await streams_moved(gw, clients, "drain", cutter, lambda: gw.drain("tiny-0"))
                 await gw.undrain("tiny-0")
-                await streams_moved(gw, clients, "upstream_closed", cutter.cut)
+                await streams_moved(gw, clients, "upstream_closed", cutter, cutter.cut)
                 await chained_after_continuation(oai, clients.response_ids[-1])
         finally:
             await asyncio.to_thread(stop_gateway, gw, signal.SIGTERM)
@@ -420,9 +444,12 @@ class StreamClients:
         return rid, final.usage.output_tokens, final.output_text
 
 
-async def streams_moved(gw: E2EGateway, clients: StreamClients, reason: str, leave: Callable[[], Any]) -> None:
+async def streams_moved(
+    gw: E2EGateway, clients: StreamClients, reason: str, path: Cutter, leave: Callable[[], Any]
+) -> None:
     """Streams of every API begun on tiny-0 (tiny-1 drained meanwhile); once all have a token,
-    ``leave`` takes tiny-0 away: every stream is finished by tiny-1, counted once."""
+    tiny-0's ``path`` holds what it sends and ``leave`` takes tiny-0 away: every stream still
+    under way is finished by tiny-1, counted once."""
     await gw.drain("tiny-1")
     completion_before = await completion_tokens(gw)
     clients.begun.clear()
@@ -434,11 +461,22 @@ async def streams_moved(gw: E2EGateway, clients: StreamClients, reason: str, lea
             while len(clients.begun) < len(tasks):
                 assert not any(t.done() for t in tasks), [t.exception() or t.result() for t in tasks if t.done()]
                 await asyncio.sleep(0.02)
+        # A fast engine could finish a stream while tiny-1 comes back: from here tiny-0's
+        # answers wait in the path until every stream still under way has moved.
+        path.hold()
+        running = sum(not t.done() for t in tasks)
+        moved_before = await gw.counter("fleetgate_stream_continuations_total")
         await gw.undrain("tiny-1")
         await gw.wait_fleet(lambda f: f["tiny-1"]["state"] == "healthy", 30, "tiny-1 back in rotation")
         result = leave()
         if asyncio.iscoroutine(result):
             await result
+        moved = 0.0
+        async with asyncio.timeout(bounded(60)):
+            while moved < running:
+                await asyncio.sleep(0.1)
+                moved = await gw.counter("fleetgate_stream_continuations_total") - moved_before
+        path.release()
         async with asyncio.timeout(bounded(180)):
             results = await asyncio.gather(*tasks)
     finally:
