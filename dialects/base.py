@@ -84,6 +84,9 @@ class Call:
     # Whether ``prompt_tokens`` is the model's tokenizer's count (what the replica's usage
     # will say) rather than the estimate.
     prompt_tokens_counted: bool = False
+    # The prompt's token ids, kept only for a model whose replicas publish KV-cache events
+    # (``tokens.counter.PromptCounter.count(ids=True)``): what the exact prefix index hashes.
+    prompt_token_ids: list[int] | None = None
     _prompt: PromptView | None = None
 
     def upstream_body(self, served_model: str) -> bytes:

@@ -42,6 +42,7 @@ class AdminApi:
         keyring: Callable[[], KeyRing],
         on_drain: Callable[[Replica], None] | None = None,
         models: Callable[[], dict[str, dict[str, Any]]] | None = None,
+        kv_events: Callable[[], dict[str, dict[str, object]]] | None = None,
     ) -> None:
         self._fleet = fleet
         self._keyring = keyring
@@ -49,6 +50,8 @@ class AdminApi:
         self._on_drain = on_drain
         # Per model: where its prompt tokens come from (tokens.counter.PromptCounter.describe).
         self._models = models
+        # Per publishing replica: its KV event stream and exact index (replicas.kv_subscriber).
+        self._kv_events = kv_events
 
     def _authorize(self, request: web.Request) -> None:
         keyring = self._keyring()
@@ -73,6 +76,8 @@ class AdminApi:
         body: dict[str, Any] = {"replicas": replicas, "healthy": fleet.healthy_count()}
         if self._models is not None:
             body["models"] = self._models()
+        if self._kv_events is not None:
+            body["kv_events"] = self._kv_events()
         return web.json_response(body)
 
     async def drain(self, request: web.Request) -> web.Response:

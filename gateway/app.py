@@ -37,7 +37,7 @@ from gateway.endpoints import CATCH_ALL, Endpoints, Handler
 from gateway.errors import ExpectationFailed, GatewayError, InternalError, error_response
 from gateway.exchange import CLIENT_CLOSED, REQUEST_ID_HEADER, Exchange, request_id
 from gateway.logs import AccessLog
-from gateway.metrics import FleetCollector, GatewayMetrics, QuotaCollector, watch_loop_lag
+from gateway.metrics import FleetCollector, GatewayMetrics, KvEventsCollector, QuotaCollector, watch_loop_lag
 from gateway.reload import ConfigWatcher
 from gateway.settings import DEV_API_KEY, ConfigError, Settings, TenantSettings
 from gateway.spans import RequestSpans, Timeline
@@ -69,7 +69,9 @@ class Gateway:
         self.metrics = metrics = GatewayMetrics()
         self.access_log = AccessLog(access_stream, enabled=settings.server.access_log)
         self.proxy = build.proxy(settings, metrics, clock)
-        self.fleet = build.fleet(settings, self.proxy, log_dir, clock)
+        # Counted first: a model's tokenizer decides whether its managed replicas publish KV events.
+        self.counter = build.prompt_counter(settings, os.environ)
+        self.fleet = build.fleet(settings, self.proxy, log_dir, clock, self.counter)
         security = build.redis_security(settings)
         self.cache = build.response_cache(settings, metrics, security)
         self.responses = build.response_state(settings, metrics, security, clock)
@@ -88,12 +90,13 @@ class Gateway:
         self.routing_metrics = RoutingMetrics(metrics.registry, settings.routing.policy)
         self.router = build.router(settings, self.fleet, self.routing_metrics, self.rng, clock)
         self.adapters = build.adapters(settings, self.fleet, self.proxy, clock)
-        self.counter = build.prompt_counter(settings, os.environ)
+        self.kv_events = build.kv_events(settings, self.fleet, self.router, self.counter)
         self.pending = PendingTokens(m.name for m in settings.models)
         registry = metrics.registry
         registry.register(FleetCollector(self.fleet.all, clock, lambda: self.fleet.by_model))
         registry.register(QuotaCollector(lambda: self.tenants))
         registry.register(QueueCollector(self.router.band_depths))
+        registry.register(KvEventsCollector(self.kv_events.describe))
         registry.register(AutoscaleCollector(self.pending, settings.autoscaling.target))
         self.parts = build.PathParts(
             settings,
@@ -285,7 +288,11 @@ def _add_monitoring_routes(app: web.Application, gateway: Gateway) -> None:
     endpoints = gateway.endpoints
     models = [m.name for m in gateway.settings.models]
     admin = AdminApi(
-        gateway.fleet, lambda: gateway.admin_keyring, gateway.proxy.migrate, lambda: gateway.counter.describe(models)
+        gateway.fleet,
+        lambda: gateway.admin_keyring,
+        gateway.proxy.migrate,
+        lambda: gateway.counter.describe(models),
+        gateway.kv_events.describe,
     )
     metrics: Handler = endpoints.prometheus
     if gateway.settings.server.metrics_require_key:
@@ -340,7 +347,14 @@ async def _lifecycle(app: web.Application) -> Any:
     elif not settings.tenants:
         log.warning("no tenants configured: every request will be refused with 401")
     async with contextlib.AsyncExitStack() as stack:
-        for part in (gateway.limiter, gateway.cache, gateway.responses, gateway.proxy, gateway.fleet):
+        for part in (
+            gateway.limiter,
+            gateway.cache,
+            gateway.responses,
+            gateway.proxy,
+            gateway.fleet,
+            gateway.kv_events,
+        ):
             await stack.enter_async_context(part)
         if gateway.spans is not None:
             await stack.enter_async_context(gateway.spans)

@@ -48,9 +48,11 @@ from limits.metrics import LimitsMetrics
 from redisconn.config import RedisSecurity
 from replicas.credentials import CredentialError
 from replicas.fleet import Fleet
+from replicas.kv_subscriber import KvEventStreams
 from routing.adapters import AdapterCatalog, AdapterSpec
 from routing.bands import Bands
 from routing.embedding_head import EmbeddingHeadError, load_head
+from routing.kv_index import KvIndex
 from routing.metrics import RoutingMetrics
 from routing.pool import PoolSpec
 from routing.router import Router
@@ -74,10 +76,22 @@ def proxy(settings: Settings, metrics: GatewayMetrics, clock: Callable[[], float
     return Proxy(settings.upstream, metrics, clock, chunk_gaps=chunk_gaps(settings))
 
 
-def fleet(settings: Settings, proxy: Proxy, log_dir: Path, clock: Callable[[], float]) -> Fleet:
+def fleet(
+    settings: Settings, proxy: Proxy, log_dir: Path, clock: Callable[[], float], counter: PromptCounter | None = None
+) -> Fleet:
     """The replicas of every model; one a health check takes down has its waiting requests
     moved elsewhere at once (``Proxy.abandon``), one discovery removes its streams
-    (``Proxy.migrate``, among the replicas of its model)."""
+    (``Proxy.migrate``, among the replicas of its model). A model's replicas set to publish
+    KV events whose tokenizer the gateway lacks stop the start: the exact index hashes the
+    prompt's token ids, which only the model's tokenizer gives."""
+    tokenized = [m.name for m in settings.models if counter is not None and counter.counts(m.name)]
+    for model in settings.models:
+        for i, rs in enumerate(model.replicas):
+            if rs.kv_events not in (None, False) and model.name not in tokenized:
+                raise ConfigError(
+                    f"models.{model.name}.replicas.{i}.kv_events: the gateway has no tokenizer for this model, so it "
+                    "cannot hash its prompts as the replica's KV events do; set models[].tokenizer, or kv_events: false"
+                )
     try:
         built = Fleet(
             settings.models,
@@ -87,11 +101,24 @@ def fleet(settings: Settings, proxy: Proxy, log_dir: Path, clock: Callable[[], f
             clock=clock,
             on_down=proxy.abandon,
             on_removed=proxy.migrate,
+            tokenized=tokenized,
         )
     except CredentialError as exc:
         raise ConfigError(str(exc)) from None
     proxy.bind_fleet(lambda replica: built.by_model.get(replica.model, ()))
     return built
+
+
+def kv_events(settings: Settings, fleet: Fleet, router: Router, counter: PromptCounter) -> KvEventStreams:
+    """A subscriber per replica that publishes KV events, into the router's exact index; the
+    models they serve keep their prompts' token ids (``PromptCounter.count(ids=True)``)."""
+    index = KvIndex(settings.routing.kv_events_max_blocks)
+    streams = KvEventStreams(fleet.kv_endpoints, index, fleet.clock)
+    models = frozenset(r.model for r in fleet.all() if r.id in fleet.kv_endpoints)
+    if models:
+        router.kv, router.kv_models = index, models
+        log.info("KV events read for routing", extra={"models": sorted(models), "replicas": len(fleet.kv_endpoints)})
+    return streams
 
 
 def response_cache(settings: Settings, metrics: GatewayMetrics, security: RedisSecurity) -> ResponseCache:

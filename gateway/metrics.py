@@ -313,3 +313,51 @@ class QuotaCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+class KvEventsCollector(Collector):
+    """The replicas' KV-cache event streams (``replicas.kv_subscriber``), read at scrape time."""
+
+    def __init__(self, streams: Callable[[], Mapping[str, Mapping[str, object]]]) -> None:
+        self._streams = streams
+
+    def collect(self) -> Iterator[Metric]:
+        received = CounterMetricFamily(
+            "fleetgate_kv_events_batches", "KV event batches received from each replica.", labels=["replica"]
+        )
+        gaps = CounterMetricFamily(
+            "fleetgate_kv_events_gaps", "Gaps in a replica's event sequence (its index cleared).", labels=["replica"]
+        )
+        restarts = CounterMetricFamily(
+            "fleetgate_kv_events_restarts", "Engine restarts seen in the sequence (index cleared).", labels=["replica"]
+        )
+        resyncs = CounterMetricFamily(
+            "fleetgate_kv_events_resyncs", "Rebuilds from the replica's replay buffer.", labels=["replica"]
+        )
+        errors = CounterMetricFamily(
+            "fleetgate_kv_events_decode_errors", "Event batches that did not decode (dropped).", labels=["replica"]
+        )
+        blocks = GaugeMetricFamily(
+            "fleetgate_kv_events_blocks", "KV blocks the index holds per replica.", labels=["replica"]
+        )
+        exact = GaugeMetricFamily(
+            "fleetgate_kv_events_exact",
+            "1 while routing reads the replica's cached prefixes from its events (0: the estimate).",
+            labels=["replica"],
+        )
+        for rid, s in self._streams().items():
+            received.add_metric([rid], _number(s.get("received")))
+            gaps.add_metric([rid], _number(s.get("gaps")))
+            restarts.add_metric([rid], _number(s.get("restarts")))
+            resyncs.add_metric([rid], _number(s.get("resyncs")))
+            errors.add_metric([rid], _number(s.get("decode_errors")))
+            blocks.add_metric([rid], _number(s.get("blocks")))
+            exact.add_metric([rid], 1.0 if s.get("exact") else 0.0)
+        yield from (received, gaps, restarts, resyncs, errors, blocks, exact)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0

@@ -8,6 +8,7 @@ Validated once at load, then handed to the fleet as frozen objects.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -70,6 +71,18 @@ class SimSettings(_Frozen):
     # Answers end on their own (``sim.answer_lengths``); true: every answer runs to max_tokens,
     # as with vLLM's ignore_eos on each request (benchmarks that need exact output lengths).
     ignore_eos: bool = False
+    # A model directory whose tokenizer and chat template make the prompts' token ids (chat and
+    # completions), as the gateway's do: what KV events from a simulated replica need to match.
+    tokenizer: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EventsEndpoint:
+    """Where a replica publishes: the PUB endpoint, its replay endpoint (None: none), the topic."""
+
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
 
 
 class KubernetesSource(_Frozen):
@@ -117,6 +130,21 @@ class ReplicaSettings(_Frozen):
     # no priority field is sent.
     scheduling_policy: Literal["fcfs", "priority"] | None = None
 
+    # vLLM's KV-cache events, read into the exact prefix index (routing.kv_index). Managed
+    # replicas: true launches them publishing (the gateway picks the ports), false does not;
+    # unset: on for `engine: vllm` when the gateway has the model's tokenizer. `url` replicas:
+    # the publisher's endpoint, "tcp://host:port" (and `kv_events_replay`, its replay socket).
+    kv_events: bool | str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq_endpoint(cls, value: bool | str | None) -> bool | str | None:
+        if isinstance(value, str) and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError("a KV events endpoint is 'tcp://host:port' (or 'ipc://path')")
+        return value
+
     @field_validator("api_key")
     @classmethod
     def _api_key_ref(cls, ref: str | None) -> str | None:
@@ -155,6 +183,14 @@ class ReplicaSettings(_Frozen):
             raise ValueError("engine 'vllm' needs 'model_path' (a local directory or a model id)")
         if self.api_key is not None and any(n.lower() == "authorization" for n in self.headers):
             raise ValueError("give the credential once: 'api_key' or an Authorization header, not both")
+        if isinstance(self.kv_events, str) and self.url is None:
+            raise ValueError("kv_events as an endpoint is for 'url' replicas; managed ones take true or false")
+        if self.kv_events_replay is not None and not isinstance(self.kv_events, str):
+            raise ValueError("kv_events_replay needs kv_events, the publisher's endpoint")
+        if self.url is not None and self.kv_events is True:
+            raise ValueError("a 'url' replica's kv_events is its publisher's endpoint, 'tcp://host:port'")
+        if self.kubernetes is not None and self.kv_events not in (None, False):
+            raise ValueError("kv_events is not read for 'kubernetes' replicas yet")
         if self.engine is not None and self.probe == "none":
             raise ValueError("probe 'none' is for external replicas: a managed one is probed to know it started")
         given = _flag_value(self.args, "--scheduling-policy")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,14 @@ import aiohttp
 
 from common.breaker import BreakerConfig, CircuitBreaker
 from common.tasks import stop
-from replicas.config import HealthSettings, KubernetesSource, ModelReplicas, ReplicaSettings, RestartSettings
+from replicas.config import (
+    EventsEndpoint,
+    HealthSettings,
+    KubernetesSource,
+    ModelReplicas,
+    ReplicaSettings,
+    RestartSettings,
+)
 from replicas.credentials import CredentialError, upstream_headers
 from replicas.health import HealthChecker
 from replicas.launcher import LaunchSpec, ManagedProcess, free_port
@@ -66,6 +74,8 @@ def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> l
     ]
     if sim.profile:
         argv += ["--profile", sim.profile]
+    if sim.tokenizer:
+        argv += ["--tokenizer", sim.tokenizer]
     if sim.ignore_eos:
         argv.append("--ignore-eos")
     return [*argv, *rs.args]
@@ -74,7 +84,7 @@ def sim_argv(port: int, served_model: str, rs: ReplicaSettings, index: int) -> l
 def vllm_argv(port: int, served_model: str, rs: ReplicaSettings) -> list[str]:
     assert rs.model_path is not None
     policy = rs.scheduling_policy
-    scheduling = ["--scheduling-policy", policy] if policy and not _sets_scheduling_policy(rs.args) else []
+    scheduling = ["--scheduling-policy", policy] if policy and not _has_arg(rs.args, "--scheduling-policy") else []
     return [
         rs.python,
         "-m",
@@ -92,9 +102,33 @@ def vllm_argv(port: int, served_model: str, rs: ReplicaSettings) -> list[str]:
     ]
 
 
-def _sets_scheduling_policy(args: Sequence[str]) -> bool:
-    """Whether the replica's own ``args`` already choose vLLM's scheduling policy."""
-    return any(a == "--scheduling-policy" or a.startswith("--scheduling-policy=") for a in args)
+def kv_events_args(publish_port: int, replay_port: int) -> list[str]:
+    """vLLM's ``--kv-events-config`` publishing on ``publish_port``, replaying on ``replay_port``."""
+    # vLLM binds its PUB socket only for a wildcard address (``tcp://*:port``) and *connects*
+    # to any other (``ZmqEventPublisher._is_bind_endpoint``): a loopback address would have it
+    # connect to nobody. The replay socket is always bound.
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{publish_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def publishes_events(rs: ReplicaSettings, model: str, tokenized: Collection[str]) -> bool:
+    """Whether this source's replicas publish KV events the gateway reads: as configured, and
+    by default for managed vLLM replicas of a model the gateway has the tokenizer of."""
+    if isinstance(rs.kv_events, str):
+        return True
+    if rs.kv_events is not None:
+        return rs.kv_events
+    return rs.engine == "vllm" and model in tokenized and not _has_arg(rs.args, "--kv-events-config")
+
+
+def _has_arg(args: Sequence[str], name: str) -> bool:
+    """Whether the replica's own ``args`` already set ``name``."""
+    return any(a == name or a.startswith(name + "=") for a in args)
 
 
 class Fleet:
@@ -111,8 +145,13 @@ class Fleet:
         environ: Mapping[str, str] | None = None,
         on_down: Callable[[Replica], None] | None = None,
         on_removed: Callable[[Replica], None] | None = None,
+        tokenized: Collection[str] = (),
     ) -> None:
         self._health_settings = health
+        # Models the gateway has the tokenizer of: their managed vLLM replicas publish KV events
+        # by default (``publishes_events``), and where each replica publishes, by replica id.
+        self._tokenized = frozenset(tokenized)
+        self.kv_endpoints: dict[str, EventsEndpoint] = {}
         self._on_down = on_down
         # Told of each replica discovery removed or an operator restarts: its streams under
         # way move elsewhere.
@@ -191,15 +230,28 @@ class Fleet:
             for _ in range(rs.count):
                 index = len(replicas)
                 rid = f"{model.name}-{index}"
+                events = publishes_events(rs, model.name, self._tokenized)
                 if rs.url is not None:
                     replicas.append(self._replica(rid, rs.url, model, up, managed=False))
+                    if events and isinstance(rs.kv_events, str):
+                        self.kv_endpoints[rid] = EventsEndpoint(rs.kv_events, rs.kv_events_replay, rs.kv_events_topic)
                     continue
                 port = free_port()
                 replica = self._replica(rid, f"http://127.0.0.1:{port}", model, up, managed=True)
+                # The same ports across restarts: the subscriber's socket reconnects by itself.
+                publish, replay = (free_port(), free_port()) if events else (0, 0)
+                if events:
+                    self.kv_endpoints[rid] = EventsEndpoint(
+                        f"tcp://127.0.0.1:{publish}", f"tcp://127.0.0.1:{replay}", rs.kv_events_topic
+                    )
                 if rs.engine == "sim":
                     argv, env = sim_argv(port, up.served_model, rs, index), {}
+                    if events:
+                        argv += ["--kv-events-port", str(publish), "--kv-events-replay-port", str(replay)]
                 else:
                     argv = vllm_argv(port, up.served_model, rs)
+                    if events:
+                        argv += kv_events_args(publish, replay)
                     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, rs.gpus))} if rs.gpus else {}
                 env = {**env, **rs.env}
                 spec = LaunchSpec(argv, env, self._log_dir / f"{rid}.log")

@@ -27,6 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from routing.classifier import DEFAULT_TIERS, TierRange, validate_tiers
+from routing.kv_index import DEFAULT_MAX_BLOCKS as DEFAULT_KV_BLOCKS
 from routing.policies import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_COARSE_BLOCK_CHARS,
@@ -223,6 +224,9 @@ class RoutingSettings(_Frozen):
     capacity: CapacitySettings = CapacitySettings()
     retry_budget: RetryBudgetSettings = RetryBudgetSettings()
     queue: QueueSettings = QueueSettings()
+    # KV blocks the exact index (vLLM's KV events, routing.kv_index) keeps per replica: its
+    # memory bound (about 150 bytes a block); the least recently stored go past it.
+    kv_events_max_blocks: int = Field(DEFAULT_KV_BLOCKS, ge=1)
 
     @model_validator(mode="after")
     def _tiers_cover(self) -> RoutingSettings:

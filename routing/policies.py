@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from dialects.base import ROLE_END
 from replicas.replica import GAUGE_KV_USAGE, Replica, ReplicaState
+from routing.kv_index import RequestBlocks
 from routing.prefix_index import PrefixIndex
 from routing.prefix_placement import AnchorPlacement, hash64
 
@@ -66,6 +67,9 @@ class RouteRequest:
     preamble_blocks: int = 0
     # Whether the prompt is a conversation's first turn, not a later one that resends it.
     opens: bool = True
+    # The prompt's blocks against the replicas' KV-cache events (``routing.kv_index``): what a
+    # replica that publishes them holds, exactly; None where no replica of the model does.
+    exact: RequestBlocks | None = None
 
     def block_tokens(self) -> tuple[tuple[int, ...], int]:
         """Tokens of each keyed block (at least one each), and what else the request puts in a KV cache.
@@ -82,6 +86,28 @@ class RouteRequest:
             sizes.append(max(1, round((end - start) * per_char)))
             start = end
         return tuple(sizes), max(0, self.prompt_tokens - sum(sizes)) + self.max_tokens
+
+    def cached_on(self, replica_id: str, index: PrefixIndex | None) -> int:
+        """Prompt tokens ``replica_id`` holds cached: exactly where its KV events are in use,
+        else by the prefix index's estimate (0 without one)."""
+        if self.exact is not None:
+            cached = self.exact.cached_tokens(replica_id)
+            if cached is not None:
+                return min(cached, self.prompt_tokens)
+        if index is None or not self.prefix_keys:
+            return 0
+        return self.prompt_tokens - self.uncached_tokens(index.depth(self.prefix_keys, replica_id))
+
+    def uncached_on(self, replica_id: str, index: PrefixIndex | None) -> int:
+        """Prompt tokens left to prefill on ``replica_id`` (``cached_on``); at least one, as
+        an engine holding the whole prompt still computes its last token."""
+        return max(1, self.prompt_tokens - self.cached_on(replica_id, index)) if self.prompt_tokens else 0
+
+    def preamble_tokens(self) -> int:
+        """The system prompt's share of ``prompt_tokens`` (by characters)."""
+        if self.preamble_blocks <= 0 or self.prompt_chars <= 0:
+            return 0
+        return round(self.prompt_tokens * min(1.0, self.prefix_ends[self.preamble_blocks - 1] / self.prompt_chars))
 
     def uncached_tokens(self, depth: int) -> int:
         """Prompt tokens left to prefill on a replica holding the first ``depth`` keys."""
@@ -354,12 +380,18 @@ class PrefixAffinity:
         return Decision(best, "stall_spill" if stalled.intersection(homes) else "affinity_spill")
 
     def _history(self, request: RouteRequest, replica: Replica) -> int:
-        """How many blocks of the conversation's own turns (past its system prompt) the pool's
-        prefix index says ``replica`` holds: 0 for none, or without an index."""
+        """How many tokens of the conversation, its own turns past its system prompt, ``replica``
+        holds (0 for none): exactly where its KV events are in use, else by the pool's prefix
+        index (0 without one)."""
+        exact = request.exact.cached_tokens(replica.id) if request.exact is not None else None
+        if exact is not None:
+            return exact if exact > request.preamble_tokens() else 0
         if self._index is None:
             return 0
         depth = self._index.depth(request.prefix_keys, replica.id)
-        return depth if depth > request.preamble_blocks else 0
+        if depth <= request.preamble_blocks:
+            return 0
+        return request.prompt_tokens - request.uncached_tokens(depth)
 
     def _first_within_bound(self, candidates: list[Replica], rank: Callable[[Replica], Any]) -> Replica:
         """The highest-ranked candidate within the ``LoadBound`` (the least busy when none is)."""

@@ -143,12 +143,12 @@ class Pool:
         and a hot prefix spreads to the replicas holding it. A replica full under a hard
         limit (requests, tokens) is no option: every replica with room is.
         """
-        index, keys = self.index, request.prefix_keys
-        if index is None or not keys:
+        index = self.index
+        if (index is None or not request.prefix_keys) and request.exact is None:
             return roomy
         capacity = self.capacity
         backlog = capacity.prefill_backlog
-        uncached = {r.id: request.uncached_tokens(index.depth(keys, r.id)) for r in replicas}
+        uncached = {r.id: request.uncached_on(r.id, index) for r in replicas}
         fewest = min(uncached.values())
         names = {r.id for r in roomy}
         full = [r for r in replicas if r.id not in names and r.routable(now)]

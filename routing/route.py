@@ -21,7 +21,7 @@ The route reads the router through ``RouteContext`` so that this module does not
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -72,7 +72,13 @@ class RouteContext(Protocol):
         ...
 
     def route_request(
-        self, prompt: PromptView, prompt_tokens: int, max_tokens: int, session: str | None = None
+        self,
+        prompt: PromptView,
+        prompt_tokens: int,
+        max_tokens: int,
+        session: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        lora_name: str | None = None,
     ) -> RouteRequest:
         """The policy's view of a request."""
         ...
@@ -96,6 +102,7 @@ class Route:
         "budget_denied",
         "choice",
         "degraded",
+        "kv_cached",
         "max_tokens",
         "model",
         "prompt",
@@ -105,6 +112,7 @@ class Route:
         "served",
         "session",
         "tenant",
+        "token_ids",
     )
 
     def __init__(
@@ -117,8 +125,11 @@ class Route:
         choice: TierChoice | None = None,
         tenant: str = "",
         session: str | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
         self._router = router
+        # The prompt's token ids, where the model's replicas publish KV events (else None).
+        self.token_ids = token_ids
         self.tenant = tenant
         # The request's priority band (index into ``bands``, 0 the highest): where it waits
         # in a saturated pool, and the ``priority`` a priority-scheduling replica gets.
@@ -135,6 +146,8 @@ class Route:
         # Prompt tokens the last chosen replica must compute (its cached prefix excluded).
         self._prefill = prompt_tokens
         self.reason: str | None = None
+        # Prompt tokens the chosen replica held, by its KV events (None: not read from events).
+        self.kv_cached: int | None = None
         self.served: str | None = None
         self.queued_s: float | None = None
         self.degraded: str | None = None
@@ -191,7 +204,9 @@ class Route:
         if self._request is None:
             # First pick: the policy's view of the request, built once; the request counts
             # towards its pool's retry budget.
-            self._request = router.route_request(self.prompt, self.prompt_tokens, self.max_tokens, self.session)
+            self._request = router.route_request(
+                self.prompt, self.prompt_tokens, self.max_tokens, self.session, self.token_ids, self.adapter
+            )
             chain[0].budget.deposit(now)
         request = self._request
         for position, pool in enumerate(chain):
@@ -200,11 +215,12 @@ class Route:
             if replica is None:
                 continue
             self.reason = decision.reason
+            self.kv_cached = request.exact.cached_tokens(replica.id) if request.exact is not None else None
             self.served = pool.model
             index = pool.index
             if index is not None and request.prefix_keys:
                 keys = request.prefix_keys
-                self._prefill = request.uncached_tokens(index.depth(keys, replica.id))
+                self._prefill = request.uncached_on(replica.id, index)
                 # A stall spill is a detour: the prefix stays recorded (and homed) where it was.
                 if decision.reason != "stall_spill":
                     sizes, rest = request.block_tokens()
@@ -212,6 +228,8 @@ class Route:
                     index.record(keys, sizes, replica.id, rest_tokens=rest, capacity_tokens=capacity)
                     if index.replicas() > len(pool.replicas):  # some left (discovery): their entries go
                         index.retain({r.id for r in pool.replicas})
+            elif request.exact is not None:
+                self._prefill = request.uncached_on(replica.id, None)
             else:
                 self._prefill = self.prompt_tokens
             router.metrics.decided(pool.model, decision.reason)
@@ -267,6 +285,8 @@ class Route:
             entry["route"] = self.reason
         if self.served is not None and self.served != self.model:
             entry["fallback"] = self.served
+        if self.kv_cached is not None:
+            entry["kv_cached_tokens"] = self.kv_cached
         if self.queued_s is not None:
             entry["queued_ms"] = round(self.queued_s * 1000, 2)
         if self.degraded is not None:

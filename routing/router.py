@@ -30,6 +30,7 @@ from routing.capacity import Capacity
 from routing.config import AffinitySettings, EmbeddingUse, PolicyName, RoutingSettings
 from routing.embedding_head import EmbeddingHead
 from routing.fair_queue import FairQueueConfig
+from routing.kv_index import KvIndex
 from routing.metrics import RoutingMetrics
 from routing.policies import LoadModel, RouteRequest, conversation_key, opening, prefix_keys, session_hash
 from routing.pool import Pool, PoolSpec, make_policy
@@ -86,6 +87,10 @@ class Router:
         # whose capacity bounds the prefill backlog.
         self._wants_keys = any(p.index is not None for p in self.pools.values())
         self._affinity = affinity
+        # The replicas' KV-cache events (``routing.kv_index``), set by the gateway when some
+        # model's replicas publish them, and those models: their prompts' token ids are kept.
+        self.kv: KvIndex | None = None
+        self.kv_models: frozenset[str] = frozenset()
         self._chains: dict[str, tuple[Pool, ...]] = {}
         for model, pool in self.pools.items():
             self._chains[model] = (pool, *(self.pools[m] for m in pool.fallback if m in self.pools and m != model))
@@ -169,15 +174,27 @@ class Router:
         choice: TierChoice | None = None,
         tenant: str = "",
         session: str | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> Route:
         """The request's ``Route``, its picker; ``choice``: the tier choice of a classified request.
 
         ``session``: the request's session key, when the client sent one (``AffinitySettings.session_keys``).
+        ``token_ids``: the prompt's, for a model in ``kv_models``.
         """
-        return Route(self, model, prompt, prompt_tokens, max_tokens, choice, tenant, session)
+        return Route(self, model, prompt, prompt_tokens, max_tokens, choice, tenant, session, token_ids)
+
+    def wants_token_ids(self, model: str) -> bool:
+        """Whether ``model``'s replicas publish KV events, so its prompts' token ids are read."""
+        return model in self.kv_models
 
     def route_request(
-        self, prompt: PromptView, prompt_tokens: int, max_tokens: int, session: str | None = None
+        self,
+        prompt: PromptView,
+        prompt_tokens: int,
+        max_tokens: int,
+        session: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        lora_name: str | None = None,
     ) -> RouteRequest:
         """The policy's view of a request; prefix keys, and the session's hash, only when something uses them.
 
@@ -200,6 +217,7 @@ class Router:
             conversation=0 if session else conversation_key(segments, first_turn=start.first_turn),
             preamble_blocks=bisect.bisect_right(ends, start.preamble_chars),
             opens=start.opens,
+            exact=self.kv.request(token_ids, lora_name) if self.kv is not None and token_ids else None,
         )
 
     def set_weights(self, weights: Mapping[str, float]) -> None:

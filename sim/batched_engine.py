@@ -35,6 +35,7 @@ from sim.profiles import SimProfile, get_profile
 
 if TYPE_CHECKING:
     from sim.freeze import Freeze
+    from sim.kv_publisher import KvEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ class BatchedSimEngine:
         self.max_lag_s = 0.0
         # While frozen (``sim.freeze``: a stalled engine on cue) no step runs.
         self.freeze: Freeze | None = None
+        # KV-cache events, when published (``publish_events``).
+        self.publisher: KvEventPublisher | None = None
 
     @classmethod
     def from_profile(
@@ -170,7 +173,7 @@ class BatchedSimEngine:
             raise RuntimeError("engine is closed")
         if request.request_id in self._streams:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        token_ids = prompt_token_ids(request.prompt)
+        token_ids = request.token_ids or prompt_token_ids(request.prompt)
         max_len = self.profile.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(
@@ -197,7 +200,24 @@ class BatchedSimEngine:
         return {"num_gpu_blocks": self.profile.num_blocks, "block_size": self.profile.block_size}
 
     def reset_prefix_cache(self) -> bool:
-        return self.model.pool.reset()
+        done = self.model.pool.reset()
+        self._publish()
+        return done
+
+    def publish_events(self, publisher: KvEventPublisher) -> None:
+        """Publish the block pool's changes through ``publisher`` after every step, as vLLM's
+        scheduler does with ``--kv-events-config``."""
+        self.publisher = publisher
+        self.model.pool.events = []
+
+    def _publish(self) -> None:
+        events = self.model.pool.events
+        if self.publisher is None or not events:
+            return
+        self.model.pool.events = []
+        from sim.kv_publisher import to_kv_events
+
+        self.publisher.publish(to_kv_events(events, self.profile.block_size))
 
     async def close(self) -> None:
         """Stop the step loop and end every open stream with ``abort``. Idempotent."""
@@ -246,6 +266,7 @@ class BatchedSimEngine:
                     continue
                 started = time.perf_counter()
                 result = self.model.step()
+                self._publish()
                 after_step = (self.model.num_running, self.model.num_waiting)
                 now = loop.time()
                 self.max_lag_s = max(self.max_lag_s, now - deadline)

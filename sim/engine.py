@@ -46,6 +46,9 @@ class SimRequest:
     seed: int | None = None
     # vLLM's ``ignore_eos``: no natural end, the answer runs to ``max_tokens``.
     ignore_eos: bool = False
+    # The prompt's ids from a real tokenizer (the server's ``--tokenizer``), else None: the
+    # simulator's own (``sim.model.prompt_token_ids``).
+    token_ids: list[int] | None = None
 
 
 def natural_end(request: SimRequest, lengths: AnswerLengths, ignore_eos: bool) -> int | None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,6 +46,12 @@ UNKNOWN_TOOL = "The tool specified in `tool_choice` does not match any of the sp
 # A schema nested (or referring to itself) deeper than this gets ``{}``: a required property
 # that contains itself has no finite value, and the walk must end.
 MAX_SCHEMA_DEPTH = 16
+
+
+# The prompt's ids from a real tokenizer (``sim.server --tokenizer``): given the endpoint's
+# API and the body, the ids, or None where it cannot say (the simulator's own ids then).
+TokenIds = Callable[[Any, dict[str, Any]], list[int] | None]
+TOKEN_IDS_KEY: web.AppKey[TokenIds] = web.AppKey("token_ids")
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,11 @@ async def serve(request: web.Request, api: GenerationApi) -> web.StreamResponse:
     max_tokens = generation.max_tokens if pieces is None else min(generation.max_tokens, len(pieces))
     # A tool call's arguments are fixed beforehand: its answer ends with the last piece, not before.
     ignore_eos = generation.ignore_eos or pieces is not None
-    request_ = SimRequest(rid, generation.prompt, max_tokens, seed=generation.seed, ignore_eos=ignore_eos)
+    count_ids = request.app.get(TOKEN_IDS_KEY)
+    token_ids = count_ids(api, body) if count_ids is not None else None
+    request_ = SimRequest(
+        rid, generation.prompt, max_tokens, seed=generation.seed, ignore_eos=ignore_eos, token_ids=token_ids
+    )
     freeze = request.app[FREEZE_KEY]
     await freeze.admit()  # a frozen replica answers nothing until it thaws
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -61,10 +62,30 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     return hashes
 
 
+# vLLM publishes block hashes as unsigned 64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES);
+# Python's hash is signed.
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """A change to the prefix cache, as vLLM's KV events tell it (``sim.kv_publisher``):
+    ``stored`` a block (its hash, its parent's, its tokens), ``removed`` one, or ``cleared``."""
+
+    kind: str
+    block_hash: int = 0
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
 class BlockPool:
-    """Ref-counted KV blocks; unreferenced blocks sit in an LRU queue with their cached contents."""
+    """Ref-counted KV blocks; unreferenced blocks sit in an LRU queue with their cached contents.
+
+    ``events``: a list the pool appends ``CacheEvent``s to (None, the default: nothing is kept).
+    """
 
     def __init__(self, num_blocks: int) -> None:
+        self.events: list[CacheEvent] | None = None
         self.num_blocks = num_blocks
         self._refs = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
@@ -110,6 +131,8 @@ class BlockPool:
                 self._hash_of[block] = None
                 if self._by_hash.get(old) == block:
                     del self._by_hash[old]
+                    if self.events is not None:
+                        self.events.append(CacheEvent("removed", old & _U64))
             self._refs[block] = 1
             taken.append(block)
         return taken
@@ -127,12 +150,17 @@ class BlockPool:
             return False
         self._by_hash.clear()
         self._hash_of = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.append(CacheEvent("cleared"))
         return True
 
-    def cache(self, block: int, block_hash: int) -> None:
+    def cache(self, block: int, block_hash: int, parent_hash: int | None = None, token_ids: Sequence[int] = ()) -> None:
         if block_hash not in self._by_hash and self._hash_of[block] is None:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash
+            if self.events is not None:
+                parent = None if parent_hash is None else parent_hash & _U64
+                self.events.append(CacheEvent("stored", block_hash & _U64, parent, tuple(token_ids)))
 
 
 class TokenEvent(NamedTuple):
@@ -176,6 +204,8 @@ class _Seq:
     num_output: int = 0
     num_cached_blocks: int = 0
     blocks: list[int] = field(default_factory=list)
+    # The prompt's ids: what a stored block's KV event carries.
+    token_ids: list[int] = field(default_factory=list)
 
 
 class EngineModel:
@@ -214,6 +244,8 @@ class EngineModel:
         if len(token_ids) >= self._max_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room in the {self._max_len}-token context")
         seq = _Seq(request_id, len(token_ids), block_hashes(token_ids, self._bs), max_tokens, eos_after)
+        if self.pool.events is not None:
+            seq.token_ids = token_ids
         self._seqs[request_id] = seq
         self._waiting.append(seq)
 
@@ -291,8 +323,14 @@ class EngineModel:
 
     def _register(self, seq: _Seq, total_tokens: int) -> None:
         full = min(total_tokens // self._bs, len(seq.hashes))
+        events = self.pool.events is not None
         for j in range(seq.num_cached_blocks, full):
-            self.pool.cache(seq.blocks[j], seq.hashes[j])
+            if events:
+                bs = self._bs
+                parent = seq.hashes[j - 1] if j else None
+                self.pool.cache(seq.blocks[j], seq.hashes[j], parent, seq.token_ids[j * bs : (j + 1) * bs])
+            else:
+                self.pool.cache(seq.blocks[j], seq.hashes[j])
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)
 
     def _preempt(self, seq: _Seq) -> None:

@@ -24,8 +24,8 @@ import argparse
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -33,12 +33,26 @@ from aiohttp import web
 from sim import messages_api, pooling_api, responses_api, tokenize_api
 from sim.engine import FixedRateConfig, FixedRateEngine, SimEngine
 from sim.freeze import FREEZE_KEY, Freeze, freeze_route
-from sim.generation import Call, Generation, ToolCall, forced_call, ignore_eos_of, max_tokens_of, seed_of, serve
+from sim.generation import (
+    TOKEN_IDS_KEY,
+    Call,
+    Generation,
+    ToolCall,
+    forced_call,
+    ignore_eos_of,
+    max_tokens_of,
+    seed_of,
+    serve,
+)
 from sim.lora_api import LORA_KEY, LoraState, load_lora_adapter, model_cards, parse_modules, runtime_updating
 from sim.prompts import chat_turns, render_chat
 from sim.wire import ENGINE_KEY, MAX_MODEL_LEN_KEY, MODEL_KEY, PRIORITIES_KEY, Rejection, check_model, openai_error
 
+if TYPE_CHECKING:
+    from sim.kv_publisher import KvEventPublisher
+
 BUSY_HEALTH_DELAY_KEY = web.AppKey("busy_health_delay_s", float)
+KV_PUBLISHER_KEY: web.AppKey[KvEventPublisher] = web.AppKey("kv_publisher")
 # /tokenize reports the context length; the fixed-rate engine has none, so it reports the
 # native context of Llama 3.1, the model most profiles simulate.
 DEFAULT_MAX_MODEL_LEN = 131_072
@@ -266,6 +280,37 @@ async def priorities(request: web.Request) -> web.Response:
     return web.json_response({str(p): n for p, n in sorted(counts.items())})
 
 
+async def drop_kv_events(request: web.Request) -> web.Response:
+    """Lose the next ``n`` KV event batches (kept for replay), as a publisher past its
+    high-water mark does: how tests and benchmarks make a gap."""
+    publisher = request.app.get(KV_PUBLISHER_KEY)
+    if publisher is None:
+        return web.json_response({"error": "KV events are off (--kv-events-port)"}, status=404)
+    n = int(request.query.get("n", "1"))
+    publisher.drop(n)
+    return web.json_response({"dropping": n, "next_seq": publisher.seq})
+
+
+def token_ids_with(directory: str) -> Callable[[Any, dict[str, Any]], list[int] | None]:
+    """The prompt's ids as a gateway with this tokenizer counts them (chat and completions)."""
+    from pathlib import Path
+
+    from dialects.openai import CHAT as CHAT_DIALECT
+    from dialects.openai import COMPLETIONS as COMPLETIONS_DIALECT
+    from tokens.model_tokenizer import ModelTokenizer
+
+    tokenizer = ModelTokenizer.load(Path(directory))
+
+    def token_ids(api: Any, body: dict[str, Any]) -> list[int] | None:
+        if api is CHAT:
+            return tokenizer.token_ids(CHAT_DIALECT, body)
+        if api is COMPLETIONS:
+            return tokenizer.token_ids(COMPLETIONS_DIALECT, body)
+        return None
+
+    return token_ids
+
+
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """vLLM's development endpoint (``VLLM_SERVER_DEV_MODE=1``): benchmarks start each run cold."""
     return web.json_response({"success": request.app[ENGINE_KEY].reset_prefix_cache()})
@@ -304,6 +349,8 @@ def create_app(
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     lora: LoraState | None = None,
     runtime_lora: bool = False,
+    token_ids: Callable[[Any, dict[str, Any]], list[int] | None] | None = None,
+    kv_publisher: KvEventPublisher | None = None,
 ) -> web.Application:
     """The server's routes, all registered here (``runtime_lora``: ``/v1/load_lora_adapter`` too)."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -314,6 +361,10 @@ def create_app(
     app[LORA_KEY] = lora or LoraState()
     app[PRIORITIES_KEY] = {}
     app[tokenize_api.VOCABULARY_KEY] = tokenize_api.Vocabulary()
+    if token_ids is not None:
+        app[TOKEN_IDS_KEY] = token_ids
+    if kv_publisher is not None:
+        app[KV_PUBLISHER_KEY] = kv_publisher
     freeze = app[FREEZE_KEY] = Freeze()
     from sim.batched_engine import BatchedSimEngine
 
@@ -327,6 +378,7 @@ def create_app(
         app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/sim/freeze", freeze_route)
     app.router.add_get("/sim/priorities", priorities)
+    app.router.add_post("/sim/kv-events/drop", drop_kv_events)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses_api.create_response)
@@ -339,9 +391,16 @@ def create_app(
     app.router.add_post("/tokenize", tokenize_api.tokenize)
     app.router.add_post("/detokenize", tokenize_api.detokenize)
 
+    async def _start(app: web.Application) -> None:
+        if kv_publisher is not None:
+            kv_publisher.start()
+
     async def _close(app: web.Application) -> None:
         await app[ENGINE_KEY].close()
+        if kv_publisher is not None:
+            await kv_publisher.close()
 
+    app.on_startup.append(_start)
     app.on_cleanup.append(_close)
     return app
 
@@ -368,6 +427,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--busy-health-delay-ms", type=float, default=0.0, help="answer /health this late while generating"
     )
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (as vLLM's flag)")
+    parser.add_argument(
+        "--kv-events-port", type=int, default=None, help="publish KV-cache events as vLLM does (with --profile)"
+    )
+    parser.add_argument("--kv-events-replay-port", type=int, default=None, help="the events' replay socket")
+    parser.add_argument(
+        "--tokenizer", default=None, help="a model directory: prompts are its token ids (chat and completions)"
+    )
     parser.add_argument(
         "--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="adapters served from the start"
     )
@@ -403,6 +469,17 @@ def run(args: argparse.Namespace) -> None:
     if args.lora_modules and not args.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
     lora = LoraState(args.enable_lora, parse_modules(args.lora_modules), args.lora_load_ms / 1000)
+    publisher = None
+    if args.kv_events_port is not None:
+        if not isinstance(engine, BatchedSimEngine):
+            raise SystemExit("--kv-events-port needs --profile (the fixed-rate engine has no KV cache)")
+        from sim.kv_publisher import KvEventPublisher
+
+        replay = args.kv_events_replay_port
+        publisher = KvEventPublisher(
+            f"tcp://{args.host}:{args.kv_events_port}", f"tcp://{args.host}:{replay}" if replay else None
+        )
+        engine.publish_events(publisher)
     app = create_app(
         engine,
         args.model,
@@ -410,6 +487,8 @@ def run(args: argparse.Namespace) -> None:
         max_model_len=max_model_len,
         lora=lora,
         runtime_lora=runtime_updating(os.environ),
+        token_ids=token_ids_with(args.tokenizer) if args.tokenizer else None,
+        kv_publisher=publisher,
     )
     web.run_app(
         app,

@@ -110,21 +110,28 @@ class PromptCounter:
         """``tokenizer`` or ``estimate``: what the model's requests' prompt tokens are."""
         return "tokenizer" if model in self._tokenizers else "estimate"
 
-    async def count(self, model: str, call: Call) -> None:
+    async def count(self, model: str, call: Call, *, ids: bool = False) -> None:
         """``call.prompt_tokens`` counted with ``model``'s tokenizer (unchanged without one, or
-        for a body it cannot count)."""
+        for a body it cannot count); with ``ids``, the token ids kept too
+        (``call.prompt_token_ids``: a model whose replicas publish KV events)."""
         tokenizer = self._tokenizers.get(model)
         if tokenizer is None or call.prompt_tokens_counted:
             return
+        work: Callable[[Any, dict[str, Any]], int | list[int]] = tokenizer.token_ids if ids else tokenizer.count
         try:
             if call.prompt_tokens <= self._inline_max_tokens or self._executor is None:
-                tokens = tokenizer.count(call.dialect, call.body)
+                result = work(call.dialect, call.body)
             else:
                 loop = asyncio.get_running_loop()
-                tokens = await loop.run_in_executor(self._executor, tokenizer.count, call.dialect, call.body)
+                result = await loop.run_in_executor(self._executor, work, call.dialect, call.body)
         except Exception as exc:  # whatever the template or the body does, the estimate stands in
             self._fell_back(model, call, exc)
             return
+        if isinstance(result, list):
+            call.prompt_token_ids = result
+            tokens = len(result)
+        else:
+            tokens = result
         call.prompt_tokens, call.prompt_tokens_counted = tokens, True
         self._tallies[model].counted += 1
 

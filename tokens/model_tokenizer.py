@@ -96,6 +96,23 @@ class ModelTokenizer:
             return self.segments.count(text) if self.segments is not None else self.encoded_length([text], False)
         raise NotCountable(f"{dialect.name} has no prompt to count")
 
+    def token_ids(self, dialect: Dialect, body: dict[str, Any]) -> list[int]:
+        """``body``'s prompt as the replica's token ids (what its KV-cache blocks hold): the
+        prompt encoded whole, which costs more than ``count`` (no piece counts kept), so it is
+        asked for only where a replica's KV events are read (``routing.kv_index``)."""
+        prompt = dialect.prompt_input(body, self.traits)
+        if isinstance(prompt, TextInput):
+            ids: list[int] = []
+            texts = [p for p in prompt.prompts if isinstance(p, str)]
+            encoded = iter(self.tokenizer.encode_batch_fast(texts, add_special_tokens=prompt.add_special_tokens))
+            # vLLM takes one prompt per request here; a list of them is no single prefix.
+            for p in prompt.prompts:
+                ids.extend(p if isinstance(p, tuple) else next(encoded).ids)
+            return ids
+        if isinstance(prompt, ChatInput):
+            return list(self.tokenizer.encode_batch_fast([self.render(prompt)], add_special_tokens=False)[0].ids)
+        raise NotCountable(f"{dialect.name} has no prompt to count")
+
     def encoded_length(self, texts: list[str], add_special_tokens: bool) -> int:
         """The tokens of ``texts``. ``encode_batch_fast`` releases the GIL while it works (plain
         ``encode`` holds it) and skips the offsets no count needs."""

@@ -128,14 +128,17 @@ class Classify:
         ex.model, ex.pool = ex.adapter or model, model
         # The model's tokenizer counts the prompt (where it has one) before anything reads it.
         if self.counter.counts(model):
-            await self.counter.count(model, call)
+            # The prompt's token ids too where the model's replicas publish KV events (the exact index).
+            await self.counter.count(model, call, ids=self.router.wants_token_ids(model))
         limit = self.rules.max_model_len.get(model)
         if limit is not None:
             too_long = context_overflow(call, limit)
             if too_long is not None:
                 return too_long
         session = self._session(ex, request)
-        route = self.router.route(model, call.prompt, call.prompt_tokens, call.max_tokens, choice, tenant.id, session)
+        route = self.router.route(
+            model, call.prompt, call.prompt_tokens, call.max_tokens, choice, tenant.id, session, call.prompt_token_ids
+        )
         route.adapter = ex.adapter
         route.band = band
         ex.route = route
