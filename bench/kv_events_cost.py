@@ -3,7 +3,7 @@
 A publisher process (``sim.kv_publisher.KvEventPublisher``, vLLM's framing) sends synthetic
 batches at ``--blocks-per-s`` blocks (``BlockStored`` chains of ``--chain`` blocks of 16 tokens,
 and as many ``BlockRemoved`` so the set stays near ``--held`` blocks); this process runs the
-gateway's subscriber (``replicas.kv_subscriber.KvSubscriber``) into a ``ReplicaBlocks`` on an
+gateway's subscriber (``routing.kv_subscriber.KvSubscriber``) into a ``ReplicaBlocks`` on an
 asyncio loop, and measures, against the same loop without a stream: the process's CPU seconds
 per wall second, and the loop's lag (how late a 10 ms sleep wakes up, p50/p99/max).
 
@@ -23,7 +23,7 @@ BLOCK = 16
 
 
 def publish(endpoint: str, blocks_per_s: int, chain: int, held: int, seconds: float) -> None:
-    from routing.kv_events import BlockRemoved, BlockStored
+    from replicas.kv_events import BlockRemoved, BlockStored
     from sim.kv_publisher import KvEventPublisher
 
     async def run() -> None:
@@ -53,8 +53,8 @@ def publish(endpoint: str, blocks_per_s: int, chain: int, held: int, seconds: fl
 
 async def measure(endpoint: str | None, seconds: float) -> dict[str, float]:
     from replicas.config import EventsEndpoint
-    from replicas.kv_subscriber import KvSubscriber
     from routing.kv_index import ReplicaBlocks
+    from routing.kv_subscriber import KvSubscriber
 
     blocks = ReplicaBlocks()
     subscriber = None

@@ -50,7 +50,7 @@ class AdminApi:
         self._on_drain = on_drain
         # Per model: where its prompt tokens come from (tokens.counter.PromptCounter.describe).
         self._models = models
-        # Per publishing replica: its KV event stream and exact index (replicas.kv_subscriber).
+        # Per publishing replica: its KV event stream and exact index (routing.kv_subscriber).
         self._kv_events = kv_events
 
     def _authorize(self, request: web.Request) -> None:

@@ -48,11 +48,11 @@ from limits.metrics import LimitsMetrics
 from redisconn.config import RedisSecurity
 from replicas.credentials import CredentialError
 from replicas.fleet import Fleet
-from replicas.kv_subscriber import KvEventStreams
 from routing.adapters import AdapterCatalog, AdapterSpec
 from routing.bands import Bands
 from routing.embedding_head import EmbeddingHeadError, load_head
 from routing.kv_index import KvIndex
+from routing.kv_subscriber import KvEventStreams
 from routing.metrics import RoutingMetrics
 from routing.pool import PoolSpec
 from routing.router import Router

@@ -316,7 +316,7 @@ class QuotaCollector(Collector):
 
 
 class KvEventsCollector(Collector):
-    """The replicas' KV-cache event streams (``replicas.kv_subscriber``), read at scrape time."""
+    """The replicas' KV-cache event streams (``routing.kv_subscriber``), read at scrape time."""
 
     def __init__(self, streams: Callable[[], Mapping[str, Mapping[str, object]]]) -> None:
         self._streams = streams

@@ -17,7 +17,7 @@ Per replica (``ReplicaBlocks``): engine hash -> own hash, least recently stored 
 first, bounded (``max_blocks``: the oldest go when over, as the engine evicts its least
 recently used); the batches' sequence numbers, checked for gaps. A gap or an engine
 restart (the sequence going back) clears the replica, which is then *not exact* until a
-replay from sequence 0 rebuilds it (``replicas.kv_subscriber``); while not exact, routing
+replay from sequence 0 rebuilds it (``routing.kv_subscriber``); while not exact, routing
 reads the estimate for it (``exact`` False). Pure and synchronous: time is passed in.
 """
 
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
+from replicas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
 
 # Blocks remembered per replica: 16 bytes of key and value plus dict overhead, ~150 bytes a
 # block, so 262,144 blocks (4M tokens at 16 a block, more than a replica's KV cache on most

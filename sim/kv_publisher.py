@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch, encode_seq
+from replicas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch, encode_seq
 from sim.model import CacheEvent
 
 log = logging.getLogger(__name__)

@@ -137,7 +137,14 @@ class Classify:
                 return too_long
         session = self._session(ex, request)
         route = self.router.route(
-            model, call.prompt, call.prompt_tokens, call.max_tokens, choice, tenant.id, session, call.prompt_token_ids
+            model,
+            call.prompt,
+            call.prompt_tokens,
+            call.max_tokens,
+            choice,
+            tenant=tenant.id,
+            session=session,
+            token_ids=call.prompt_token_ids,
         )
         route.adapter = ex.adapter
         route.band = band

@@ -19,9 +19,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from dialects.openai import CHAT
 from gateway.settings import hash_key
 from replicas.config import EventsEndpoint
-from replicas.kv_subscriber import KvSubscriber
 from replicas.launcher import free_port
 from routing.kv_index import ReplicaBlocks
+from routing.kv_subscriber import KvSubscriber
 from sim.batched_engine import BatchedSimEngine
 from sim.kv_publisher import KvEventPublisher
 from sim.model import prompt_token_ids

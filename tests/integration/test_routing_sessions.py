@@ -8,6 +8,7 @@ requests it is spread over every replica, and the request's session (a header, t
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +87,9 @@ async def test_a_responses_conversation_carries_its_first_responses_id_as_its_se
         sessions: list[str | None] = []
         route = gw.router.route
 
-        def spy(*args: Any) -> Any:
-            sessions.append(args[-1])
-            return route(*args)
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            sessions.append(inspect.signature(route).bind(*args, **kwargs).arguments.get("session"))
+            return route(*args, **kwargs)
 
         gw.router.route = spy  # type: ignore[method-assign,assignment]
         ids: list[str] = []

@@ -2,10 +2,12 @@
 
     gateway                   the HTTP surface; the composition root
     cache, limits, routing,   the services the gateway asks (each ignores the others)
-    conversations, tokens, batch
+    conversations, batch
     sim                       the simulated replica `fleetgate sim` runs (vLLM's gauge names)
     capacity                  the planner `fleetgate bench` runs (reads replicas' /metrics)
-    replicas                  the fleet routing chooses from
+    tokens                    what a model's tokenizer counts: the gateway's stages and the
+                              simulator (its token ids must be the gateway's) both read it
+    replicas                  the fleet routing chooses from, and what its engines publish
     dialects                  what each API's bodies and streams look like (one per API)
     redisconn                 how the shared stores reach Redis
     common                    shared by all, importing none of them
@@ -27,15 +29,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = {
-    "gateway": 4,
-    "cache": 3,
-    "limits": 3,
-    "routing": 3,
-    "sim": 3,
-    "capacity": 3,
-    "conversations": 3,
+    "gateway": 5,
+    "cache": 4,
+    "limits": 4,
+    "routing": 4,
+    "sim": 4,
+    "capacity": 4,
+    "conversations": 4,
+    "batch": 4,
     "tokens": 3,
-    "batch": 3,
     "replicas": 2,
     "dialects": 2,
     "redisconn": 1,
@@ -161,8 +163,8 @@ def test_the_checks_see_what_they_must_refuse() -> None:
         "gateway.admin": {"gateway.app": 19},
     }
     assert upward_imports(edges) == [
-        "cache.redis_store:36 imports limits.breaker (layer 3 >= 3)",
-        "replicas.fleet:30 imports gateway.settings (layer 4 >= 2)",
+        "cache.redis_store:36 imports limits.breaker (layer 4 >= 4)",
+        "replicas.fleet:30 imports gateway.settings (layer 5 >= 2)",
     ]
     assert cycles(edges) == [["gateway.admin", "gateway.app"], ["gateway.settings", "replicas.fleet"]]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent
+from replicas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent
 from routing.kv_index import KvIndex, ReplicaBlocks, Sync, chain_hashes
 
 BS = 4

@@ -16,7 +16,7 @@ releases before 0.11, an array ``["BlockStored", block_hashes, ...]``: both are 
 - ``AllBlocksCleared``: the whole cache reset (``/reset_prefix_cache``).
 
 A block hash is bytes (sha256 family) or an int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``);
-either is kept as it came, only compared. Pure: no sockets here (``replicas.kv_subscriber``
+either is kept as it came, only compared. Pure: no sockets here (``routing.kv_subscriber``
 reads them).
 """
 

@@ -11,7 +11,7 @@ exact*, so routing reads the estimate for it (``KvIndex.cached_tokens`` returns 
 the engine restarts. Batches that arrive on the SUB socket during a replay wait in it and
 are then applied or skipped as already replayed (``Sync.STALE``).
 
-Decoding and the set are pure (``routing.kv_events``, ``routing.kv_index``); this module
+Decoding and the set are pure (``replicas.kv_events``, ``routing.kv_index``); this module
 only moves frames. A frame that does not decode is counted and dropped; the next batch's
 sequence number then shows the gap.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from replicas.config import EventsEndpoint
-from routing.kv_events import END_OF_REPLAY, EventBatch, KvEventDecodeError, decode_batch, decode_seq
+from replicas.kv_events import END_OF_REPLAY, EventBatch, KvEventDecodeError, decode_batch, decode_seq
 from routing.kv_index import KvIndex, ReplicaBlocks, Sync
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from routing.kv_events import (
+from replicas.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
