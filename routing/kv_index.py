@@ -17,14 +17,15 @@ Per replica (``ReplicaBlocks``): engine hash -> own hash, least recently stored 
 first, bounded (``max_blocks``: the oldest go when over, as the engine evicts its least
 recently used); the batches' sequence numbers, checked for gaps. A gap or an engine
 restart (the sequence going back) clears the replica, which is then *not exact* until a
-replay from sequence 0 rebuilds it (``routing.kv_subscriber``); while not exact, routing
-reads the estimate for it (``exact`` False). Pure and synchronous: time is passed in.
+replay from sequence 0 rebuilds it (``routing.kv_subscriber``), or until a clear of the
+whole cache (``AllBlocksCleared``: vLLM's ``/reset_prefix_cache``) is seen with no gap
+after it; while not exact, routing reads the estimate for it (``exact`` False). Pure and
+synchronous: time is passed in.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -130,8 +131,9 @@ class ReplicaBlocks:
             self.clear(exact=False)
             self.last_seq = batch.seq
             self.updated = now
-            # The batch is still applied: it is what the replica holds now, only not all of it.
-            self._apply_events(batch)
+            # The batch is still applied: it is what the replica holds now, only not all of it;
+            # all of it again from a clear in it on.
+            self.exact = self._apply_events(batch)
             return sync
         if sync is Sync.RESTART:
             self.stats.restarts += 1
@@ -141,7 +143,8 @@ class ReplicaBlocks:
         self.last_seq = batch.seq
         self.updated = now
         self.stats.batches += 1
-        self._apply_events(batch)
+        if self._apply_events(batch):
+            self.exact = True
         return sync
 
     def clear(self, *, exact: bool) -> None:
@@ -159,21 +162,31 @@ class ReplicaBlocks:
             self.updated = now
 
     def rebuild(self, batches: Sequence[EventBatch], now: float) -> bool:
-        """Replace the set with a replay of the engine's buffer; exact only when the replay
-        starts at sequence 0 and has no hole. Returns whether it is exact."""
+        """Replace the set with a replay of the engine's buffer; exact when the replay has no
+        hole from sequence 0, or from its last clear (``AllBlocksCleared``) on: a replica
+        that ran longer than its buffer is exact again after a cache reset. Returns whether
+        it is exact."""
         self.clear(exact=False)
         if not batches:
             return False
         self.stats.resyncs += 1
-        contiguous = all(b.seq == a.seq + 1 for a, b in itertools.pairwise(batches))
+        exact = batches[0].seq == 0
+        previous = batches[0].seq - 1
         for batch in batches:
-            self._apply_events(batch)
+            if batch.seq != previous + 1:
+                exact = False
+            if self._apply_events(batch):
+                exact = True
+            previous = batch.seq
         self.last_seq = batches[-1].seq
         self.updated = now
-        self.exact = batches[0].seq == 0 and contiguous
+        self.exact = exact
         return self.exact
 
-    def _apply_events(self, batch: EventBatch) -> None:
+    def _apply_events(self, batch: EventBatch) -> bool:
+        """Apply the batch's events in order; whether one cleared the whole cache (from it
+        on, what the batches say is all the replica holds)."""
+        cleared = False
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._stored(event)
@@ -184,6 +197,8 @@ class ReplicaBlocks:
             elif isinstance(event, AllBlocksCleared):
                 self._digests.clear()
                 self._own.clear()
+                cleared = True
+        return cleared
 
     def _stored(self, event: BlockStored) -> None:
         if event.medium not in _RESIDENT_MEDIA or event.block_size < 1:

@@ -6,9 +6,10 @@ batch is applied; a gap or a restarted engine clears the set. Then, when the rep
 a replay endpoint (vLLM's ROUTER socket, which keeps its last ``buffer_steps`` batches),
 the subscriber asks it for everything from sequence 0 and rebuilds the set from that:
 exact again when the engine's buffer still starts at 0 (a young engine, or a gap soon
-after start); otherwise the set holds what the replay had and the replica stays *not
-exact*, so routing reads the estimate for it (``KvIndex.cached_tokens`` returns None), until
-the engine restarts. Batches that arrive on the SUB socket during a replay wait in it and
+after start) or holds a clear of the whole cache; otherwise the set holds what the replay
+had and the replica stays *not exact*, so routing reads the estimate for it
+(``KvIndex.cached_tokens`` returns None), until the engine restarts or its cache is reset.
+A gap whose batch itself clears the cache needs no replay. Batches that arrive on the SUB socket during a replay wait in it and
 are then applied or skipped as already replayed (``Sync.STALE``).
 
 Decoding and the set are pure (``replicas.kv_events``, ``routing.kv_index``); this module
@@ -124,7 +125,7 @@ class KvSubscriber:
             sync = self._on_frames(frames)
             if sync is Sync.NEXT and self.blocks.exact:
                 self._resync_wanted = False  # the stream began at 0 while a replay was pending
-            if self.where.replay is not None and (sync is Sync.GAP or (sync is Sync.RESTART and not self.blocks.exact)):
+            if self.where.replay is not None and sync in (Sync.GAP, Sync.RESTART) and not self.blocks.exact:
                 self._resync_wanted = True
 
     def _on_frames(self, frames: list[bytes]) -> Sync | None:

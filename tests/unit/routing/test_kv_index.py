@@ -156,3 +156,30 @@ def test_an_engine_that_published_nothing_is_exact_and_empty() -> None:
     assert index.cached_tokens(PROMPT, "r0") == 4
     r.start_empty(now=2.0)  # a late empty replay changes nothing once batches were applied
     assert index.cached_tokens(PROMPT, "r0") == 4
+
+
+def test_a_clear_of_the_whole_cache_makes_a_late_subscriber_exact() -> None:
+    """A pod that joined after the buffer moved on is exact again from the engine's cache reset."""
+    index = KvIndex()
+    r = index.replica("r0")
+    assert r.apply(batch(40, stored([11], None, PROMPT[:4])), now=0.0) is Sync.GAP
+    assert not r.exact
+    assert r.apply(batch(41, AllBlocksCleared(), stored([21], None, PROMPT[:4])), now=1.0) is Sync.NEXT
+    assert r.exact and index.cached_tokens(PROMPT, "r0") == 4
+    # A gap whose own batch clears first is exact at once; one that does not clear is not.
+    assert r.apply(batch(50, AllBlocksCleared(), stored([31], None, PROMPT[:4])), now=2.0) is Sync.GAP
+    assert r.exact and len(r) == 1
+    assert r.apply(batch(60, stored([32], 31, PROMPT[4:8])), now=3.0) is Sync.GAP
+    assert not r.exact
+
+
+def test_a_replay_is_exact_from_its_last_clear_on_with_no_hole_after_it() -> None:
+    r = ReplicaBlocks()
+    cleared = [
+        batch(5, stored([11], None, PROMPT[:4])),
+        batch(6, AllBlocksCleared()),
+        batch(7, stored([12], None, PROMPT[:4])),
+    ]
+    assert r.rebuild(cleared, now=0.0) and len(r) == 1 and r.last_seq == 7
+    assert not r.rebuild([batch(5), batch(6, AllBlocksCleared()), batch(8)], now=0.0)  # a hole after the clear
+    assert r.rebuild([batch(0), batch(2), batch(3, AllBlocksCleared()), batch(4)], now=0.0)  # the hole is before it
