@@ -9,8 +9,9 @@ exact again when the engine's buffer still starts at 0 (a young engine, or a gap
 after start) or holds a clear of the whole cache; otherwise the set holds what the replay
 had and the replica stays *not exact*, so routing reads the estimate for it
 (``KvIndex.cached_tokens`` returns None), until the engine restarts or its cache is reset.
-A gap whose batch itself clears the cache needs no replay. Batches that arrive on the SUB socket during a replay wait in it and
-are then applied or skipped as already replayed (``Sync.STALE``).
+A gap whose batch itself clears the cache needs no replay. Batches that arrive on the SUB
+socket during a replay wait in it and are then applied or skipped as already replayed
+(``Sync.STALE``).
 
 Decoding and the set are pure (``replicas.kv_events``, ``routing.kv_index``); this module
 only moves frames. A frame that does not decode is counted and dropped; the next batch's

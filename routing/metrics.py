@@ -3,7 +3,8 @@
 Label values come from configuration or fixed sets: ``model`` and ``fallback`` are model
 names, ``tenant`` a tenant id, ``tier`` a tier name, ``policy`` one of the four policy
 names, ``reason`` a policy's decision reason (``affinity``, ``affinity_spill``, ``stall_spill``,
-``session``, ``new_prefix``, ``no_prefix``, ``least_tokens``, ``least_requests``, ``round_robin``),
+``affinity_history``, ``session``, ``new_prefix``, ``no_prefix``, ``least_tokens``, ``least_requests``,
+``round_robin``),
 a tier reason (``classified``, ``forced``, ``force_denied``) or a shed
 reason (``queue_full``, ``band_full``, ``wait_exceeded``, ``deadline``); ``band`` a
 configured priority band's name; ``head`` and ``fallback`` the

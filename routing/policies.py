@@ -277,7 +277,10 @@ class PrefixAffinity:
     share of the traffic calls for. Among a hot prefix's homes, a conversation goes on to
     the home the pool's prefix index (``index``) says holds its own earlier turns (more of
     its blocks than its system prompt fills), so a spill or a change of the homes' parts
-    does not move it away from its history; a conversation new to the pod is placed by its
+    does not move it away from its history (where the replicas publish KV events, the
+    index is exact and a replica a spill took the conversation to counts as one of its homes
+    while it holds more of the conversation than they do: ``affinity_history``, so pods that
+    read the same events keep it there alike); a conversation new to the pod is placed by its
     ``session``, by weighted rendezvous hashing: every turn of a conversation (or every
     request of a client's session key) goes to the same home, on every pod, and
     conversations spread over the homes by their parts. The request goes to the first
@@ -361,6 +364,11 @@ class PrefixAffinity:
             return Decision(self._least_busy(candidates), "new_prefix")
         session = request.session or request.conversation or anchor
         history = self._history if len(homes) > 1 else None
+        # Where the replicas' KV events say exactly how much of the conversation's own turns
+        # each one holds, one that holds more than every home (a spill took it there) ranks
+        # with the homes, above them: its next turn stays with its history.
+        held = {r.id: self._history(request, r) for r in candidates} if request.exact is not None else {}
+        at_home = max((held.get(r.id, 0) for r in candidates if r.base_url in homes), default=0)
 
         def rank(replica: Replica) -> tuple[int, int, float]:
             """Homes first (the one holding the conversation's history, else by the session's
@@ -368,14 +376,17 @@ class PrefixAffinity:
             address = replica.base_url
             part = homes.get(address)
             if part is None:
-                return 0, 0, weight(anchor, address)
+                more = held.get(replica.id, 0)
+                return (1, more, 0.0) if more > at_home else (0, 0, weight(anchor, address))
             if history is None:
-                return 1, 0, 0.0
+                return 1, at_home, 0.0
             return 1, history(request, replica), part / -math.log((weight(session, address) + 0.5) / _TWO_64)
 
         best = self._first_within_bound(candidates, rank)
         if best.base_url in homes:
             return Decision(best, "affinity")
+        if held.get(best.id, 0) > at_home:
+            return Decision(best, "affinity_history")
         # Not at home: past the bound, home stalled, or home not a candidate (tried already, or full).
         return Decision(best, "stall_spill" if stalled.intersection(homes) else "affinity_spill")
 

@@ -513,3 +513,38 @@ def test_when_every_replica_is_stalled_the_home_still_serves() -> None:
     for r in rs:
         stall(r, since=0.0)
     assert policy.pick(rs, request, 10.0) == Decision(home, "affinity")
+
+
+class _Held:
+    """What each replica holds of a request, as the exact index (``RequestBlocks``) would say."""
+
+    def __init__(self, **tokens: int) -> None:
+        self._tokens = tokens
+
+    def cached_tokens(self, replica_id: str) -> int | None:
+        return self._tokens.get(replica_id)
+
+
+def test_with_kv_events_a_spilled_conversation_stays_with_its_history_and_an_estimate_goes_home() -> None:
+    rs = [replica(x) for x in "abcd"]
+    policy = affinity(LoadBound(factor=1.25, margin_requests=2))
+    first = home(rs, req(SYSTEM_A))
+    spilled = next(r for r in rs if r is not first)
+    turn = req(SYSTEM_A, "and then?")
+
+    # The events say the spill target holds more of the conversation than home does: it stays.
+    def held(**tokens: int) -> RouteRequest:
+        return dataclasses.replace(turn, exact=_Held(**tokens))  # type: ignore[arg-type]
+
+    exact = held(**{first.id: 250, spilled.id: 290})
+    d = policy.pick(rs, exact, 0.0)
+    assert d.replica is spilled and d.reason == "affinity_history"
+    # Home holding as much, or the other replica nothing of the conversation: home.
+    assert policy.pick(rs, held(**{first.id: 290, spilled.id: 290}), 0.0).replica is first
+    assert policy.pick(rs, held(**{spilled.id: 0}), 0.0).replica is first
+    # Past the load bound, it spills on as before.
+    spilled.outstanding_requests = 9
+    assert policy.pick(rs, exact, 0.0).replica is not spilled
+    # Without events (the estimate), the spill leaves no trace: home.
+    spilled.outstanding_requests = 0
+    assert policy.pick(rs, turn, 0.0).replica is first
