@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,7 @@ from bench.soak import cpu_name
 from capacity.loadgen import StreamError, stream_chunks
 from gateway.exchange import REPLICA_HEADER
 from gateway.settings import HealthSettings, ModelSettings, ReplicaSettings, RestartSettings, SimSettings
+from replicas.config import EventsEndpoint
 from replicas.fleet import Fleet
 from replicas.health import parse_vllm_metrics
 from replicas.launcher import group_members
@@ -97,6 +98,16 @@ ROWS = ("prefix_affinity", "prefix_affinity x2", "round_robin", "least_requests"
 SESSION_ROW = "session_hash"
 MULTITURN_ROWS = ("prefix_affinity", "prefix_affinity x2", "round_robin", "client_hash", SESSION_ROW)
 WORKLOADS = ("uniform", "multiturn")
+# Rows on request (``--rows``): ``events`` (and ``events x2``) is ``prefix_affinity`` with the
+# replicas' KV-cache events read into the gateway's exact index (the replicas publish, the
+# gateway has the model's tokenizer); ``infinite_cache`` sends every request to one more vLLM
+# replica whose cache holds the whole workload: the hit rate no routing can beat.
+EVENTS_ROW = "events"
+IDEAL_ROW = "infinite_cache"
+EXTRA_ROWS = (EVENTS_ROW, f"{EVENTS_ROW} x2", IDEAL_ROW)
+# The infinite-cache replica's KV: 4,096 blocks of 128 tokens, more than any workload here
+# sends in all (the tiny model's 512 bytes a token: 256 MiB).
+IDEAL_BLOCKS = 4096
 DEFAULT_ROW = "prefix_affinity"
 REFERENCE_ROW = "client_hash"
 # vLLM's CPU backend allocates KV in blocks of 128 tokens; the simulator is given the same.
@@ -106,13 +117,24 @@ BLOCK_SIZE = 128
 MAX_MODEL_LEN = 2048
 # As the end-to-end tests run vLLM: --enforce-eager skips a torch.compile warm-up whose
 # cache does not load back on CPU.
-VLLM_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16", "--enforce-eager", "--enable-prefix-caching"]
+VLLM_ARGS = [
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--dtype",
+    "bfloat16",
+    "--enforce-eager",
+    "--enable-prefix-caching",
+    # Each answer's usage says how many of its prompt tokens were cached: a gateway pod's own
+    # hit rate, where two pods share the replicas.
+    "--enable-prompt-tokens-details",
+]
 SIM_PROFILE = "h100-llama-3.1-8b"
 REPLICA_START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 # Requests sent straight to the replicas before the first row (not measured).
 WARM_UP_REQUESTS = 64
 RESET_TIMEOUT_S = 30.0
+EXACT_TIMEOUT_S = 30.0
 SCRAPE_TIMEOUT_S = 10.0
 # The bars of the routing issue, all measured in one run.
 HIT_RATE_MARGIN = 0.03
@@ -121,6 +143,10 @@ TTFT_RATIO_BAR = 1.1
 # more than 60% of the requests (with two replicas: a 60/40 split at worst).
 MULTITURN_HIT_RATE_MARGIN = 0.02
 MAX_SHARE_BAR = 0.6
+# The KV-events bars: the events rows' hit rate at least the estimate's and the client
+# hash's, within 0.02 of the infinite cache's; two pods within 0.005 of each other.
+IDEAL_MARGIN = 0.02
+PODS_MARGIN = 0.005
 # vLLM's count of finished requests, labelled by finish reason (summed over the labels).
 REQUESTS_METRIC = "vllm:request_success_total"
 
@@ -311,6 +337,13 @@ class RowResult:
     # sent to, or the gateway's ``x-fleetgate-replica``). ``split_source`` says which.
     requests_per_replica: dict[str, float] = field(default_factory=dict)
     split_source: str = "vllm"
+    # Each gateway pod's own hit rate (pod0, pod1...): the cached prompt tokens over the prompt
+    # tokens of the answers it returned (vLLM's usage); empty for rows without a gateway.
+    per_pod: dict[str, float] = field(default_factory=dict)
+    # Multi-turn: conversations whose turns went to more than one replica (moved), and those
+    # that went back to a replica they had left (split: two pods disagreeing, or a spill undone).
+    moved: int | None = None
+    split: int | None = None
 
     @property
     def max_share(self) -> float:
@@ -359,6 +392,9 @@ def merge(runs: Sequence[RowResult]) -> RowResult:
         sum(r.runs for r in runs),
         {k: statistics.fmean(r.requests_per_replica.get(k, 0.0) for r in runs) for k in first.requests_per_replica},
         first.split_source,
+        first.per_pod,
+        None if first.moved is None else max(r.moved or 0 for r in runs),
+        None if first.split is None else max(r.split or 0 for r in runs),
     )
 
 
@@ -402,6 +438,68 @@ def _by_seed(results: Sequence[RowResult]) -> dict[int, dict[str, RowResult]]:
     return by_seed
 
 
+def events_verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
+    """The KV-events rows' bars, per set: at least the estimate's and the client hash's hit
+    rate, within ``IDEAL_MARGIN`` of the infinite cache's; two pods alike; no split conversation."""
+    out: list[tuple[str, str, str, bool]] = []
+    for seed, rows in sorted(_by_seed(results).items()):
+        one, two = rows.get(EVENTS_ROW), rows.get(f"{EVENTS_ROW} x2")
+        for name, row in ((EVENTS_ROW, one), (f"{EVENTS_ROW} x2", two)):
+            if row is None:
+                continue
+            for other, margin in ((DEFAULT_ROW, 0.0), (REFERENCE_ROW, 0.0)):
+                ref = rows.get(other)
+                if ref is not None:
+                    out.append(
+                        (
+                            f"set {seed}: {name} hit rate",
+                            f">= {other}'s",
+                            f"{row.hit_rate:.3f} vs {ref.hit_rate:.3f} ({row.hit_rate - ref.hit_rate:+.3f})",
+                            row.hit_rate >= ref.hit_rate - margin,
+                        )
+                    )
+            ideal = rows.get(IDEAL_ROW)
+            if ideal is not None:
+                out.append(
+                    (
+                        f"set {seed}: {name} hit rate",
+                        f">= {IDEAL_ROW}'s - {IDEAL_MARGIN}",
+                        f"{row.hit_rate:.3f} vs {ideal.hit_rate:.3f} ({row.hit_rate - ideal.hit_rate:+.3f})",
+                        row.hit_rate >= ideal.hit_rate - IDEAL_MARGIN,
+                    )
+                )
+            out.append((f"set {seed}: {name} errors", "0", str(row.errors), row.errors == 0))
+        if one is not None and two is not None:
+            out.append(
+                (
+                    f"set {seed}: {EVENTS_ROW} x2 against one pod",
+                    f"hit rates within {PODS_MARGIN}",
+                    f"{two.hit_rate:.3f} vs {one.hit_rate:.3f}",
+                    abs(two.hit_rate - one.hit_rate) <= PODS_MARGIN,
+                )
+            )
+            pods = [v for v in two.per_pod.values() if not math.isnan(v)]
+            if len(pods) == 2:
+                out.append(
+                    (
+                        f"set {seed}: {EVENTS_ROW} x2 pod against pod",
+                        f"hit rates within {PODS_MARGIN} (cached prompt tokens, vLLM's usage)",
+                        " vs ".join(f"{v:.3f}" for v in pods),
+                        abs(pods[0] - pods[1]) <= PODS_MARGIN,
+                    )
+                )
+            if two.split is not None:
+                out.append(
+                    (
+                        f"set {seed}: {EVENTS_ROW} x2 split conversations",
+                        "0 (turns back on a replica they had left)",
+                        f"{two.split} ({two.moved} moved)",
+                        two.split == 0,
+                    )
+                )
+    return out
+
+
 def multiturn_verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
     """The multi-turn workload's bars, per conversation set: hit rate, spread, errors."""
     out: list[tuple[str, str, str, bool]] = []
@@ -431,7 +529,7 @@ def multiturn_verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str
                 )
             )
             out.append((f"set {seed}: {name} errors", "0", str(row.errors), row.errors == 0))
-    return out
+    return out + events_verdicts(results)
 
 
 def verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
@@ -480,18 +578,20 @@ def verdicts(results: Sequence[RowResult]) -> list[tuple[str, str, str, bool]]:
                 p50 <= TTFT_RATIO_BAR * ref_p50,
             )
         )
-    return out
+    return out + events_verdicts(results)
 
 
 # --- the edge: replicas, gateways, the client ---------------------------------------------------
 
 
-def replica_models(config: BenchConfig, blocks: int, model_dir: Path) -> list[ModelSettings]:
-    """The replicas as the gateway's launcher takes them: one per core for vLLM."""
+def replica_models(config: BenchConfig, blocks: int, model_dir: Path, count: int | None = None) -> list[ModelSettings]:
+    """The replicas as the gateway's launcher takes them: one per core for vLLM (``count``
+    of them; default the configuration's)."""
+    count = config.replicas if count is None else count
     if config.engine == "sim":
         sim = ReplicaSettings(
             engine="sim",
-            count=config.replicas,
+            count=count,
             sim=SimSettings(profile=SIM_PROFILE),
             args=["--num-gpu-blocks-override", str(blocks), "--block-size", str(BLOCK_SIZE)],
         )
@@ -513,7 +613,7 @@ def replica_models(config: BenchConfig, blocks: int, model_dir: Path) -> list[Mo
                 "VLLM_SERVER_DEV_MODE": "1",
             },
         )
-        for i in range(config.replicas)
+        for i in range(count)
     ]
     return [ModelSettings(name=MODEL, replicas=replicas)]
 
@@ -660,6 +760,40 @@ async def reset_caches(session: aiohttp.ClientSession, urls: Sequence[str]) -> N
             await asyncio.sleep(0.2)
 
 
+async def publish_clears(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+    """Have each replica run one scheduler step, so that its reset's ``AllBlocksCleared``
+    (queued until the engine's next step) is published before a gateway pod subscribes: the
+    pod's replay then holds it, and the pod's index is exact from it on (``routing.kv_index``)."""
+    body = orjson.dumps({"model": MODEL, "prompt": "ok", "max_tokens": 1})
+    for url in urls:
+        async with session.post(
+            f"{url}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+        ) as resp:
+            resp.raise_for_status()
+            await resp.read()
+
+
+async def wait_exact(session: aiohttp.ClientSession, gateway_url: str, replicas: int) -> None:
+    """Wait until the gateway pod's index is exact for every replica (``/admin/fleet``'s ``kv_events``)."""
+    deadline = time.monotonic() + EXACT_TIMEOUT_S
+    state: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            async with session.get(
+                f"{gateway_url}/admin/fleet",
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S),
+            ) as resp:
+                state = (await resp.json()).get("kv_events") or {}
+            if len(state) == replicas and all(s.get("exact") for s in state.values()):
+                return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{gateway_url}: the KV-events index is not exact after {EXACT_TIMEOUT_S:.0f} s: {state}")
+
+
 async def stream_one(
     session: aiohttp.ClientSession, url: str, api_key: str | None, system: str, user: str, max_tokens: int
 ) -> float:
@@ -675,6 +809,9 @@ class Answer:
     ttft_s: float
     text: str
     replica: str | None  # the gateway's ``x-fleetgate-replica``, when a gateway answered
+    # The answer's usage: prompt tokens, and how many of them the replica had cached.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 async def stream_chat(
@@ -688,6 +825,7 @@ async def stream_chat(
         "stream": True,
         "temperature": 0,
         "ignore_eos": True,
+        "stream_options": {"include_usage": True},
     }
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -695,6 +833,7 @@ async def stream_chat(
     start = time.perf_counter()
     first: float | None = None
     parts: list[str] = []
+    usage: dict[str, Any] = {}
     async with session.post(
         f"{url}/v1/chat/completions",
         data=orjson.dumps(body),
@@ -706,6 +845,7 @@ async def stream_chat(
         replica = resp.headers.get(REPLICA_HEADER)
         try:
             async for chunk in stream_chunks(resp.content):
+                usage = chunk.get("usage") or usage
                 choices = chunk.get("choices")
                 if first is None and choices:
                     first = time.perf_counter() - start
@@ -715,7 +855,10 @@ async def stream_chat(
             raise RuntimeError(f"stream {exc}") from exc
         if first is None:
             raise RuntimeError("the stream ended without a choice")
-    return Answer(first, "".join(parts), replica)
+    details = usage.get("prompt_tokens_details") or {}
+    return Answer(
+        first, "".join(parts), replica, int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
+    )
 
 
 async def play(
@@ -763,11 +906,31 @@ class Played:
     # Requests answered, by the replica the gateway named (``x-fleetgate-replica``) or else
     # the URL the client sent to.
     tally: dict[str, int] = field(default_factory=dict)
+    # Per URL sent to (a gateway pod, or a replica): [prompt tokens, cached prompt tokens].
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Multi-turn: each conversation's replicas, turn by turn.
+    routes: dict[int, list[str]] = field(default_factory=dict)
 
-    def served(self, url: str, answer: Answer) -> None:
+    def served(self, url: str, answer: Answer, conversation: int | None = None) -> str:
+        """Count ``answer``, sent to ``url``; the replica that served it."""
         self.ttfts.append(answer.ttft_s)
         where = answer.replica or url
         self.tally[where] = self.tally.get(where, 0) + 1
+        counts = self.tokens.setdefault(url, [0, 0])
+        counts[0] += answer.prompt_tokens
+        counts[1] += answer.cached_tokens
+        if conversation is not None:
+            self.routes.setdefault(conversation, []).append(where)
+        return where
+
+    def moved_and_split(self) -> tuple[int, int]:
+        """Conversations that changed replica, and those that went back to one they had left."""
+        moved = split = 0
+        for route in self.routes.values():
+            visits = [where for where, _ in itertools.groupby(route)]
+            moved += len(visits) > 1
+            split += len(visits) > len(set(visits))
+        return moved, split
 
 
 class Marks:
@@ -821,7 +984,7 @@ async def play_conversations(
                     print(f"  {chat.id} turn {turn} failed: {exc}", file=sys.stderr)
                     marks.done(len(chat.users) - turn)
                     break
-                played.served(url, answer)
+                played.served(url, answer, c)
                 replies.append(answer.text)
                 marks.done(1)
 
@@ -831,10 +994,30 @@ async def play_conversations(
     return played
 
 
-def gateway_extra(config: BenchConfig, replica_urls: Sequence[str]) -> dict[str, Any]:
-    """What a gateway row's configuration sets beyond the benchmark fleet's (``FleetSpec.extra``)."""
+def gateway_extra(
+    config: BenchConfig,
+    replica_urls: Sequence[str],
+    events: Mapping[str, EventsEndpoint] | None = None,
+    tokenizer: Path | None = None,
+) -> dict[str, Any]:
+    """What a gateway row's configuration sets beyond the benchmark fleet's (``FleetSpec.extra``).
+
+    ``events``: where each replica (by URL) publishes its KV-cache events, for the gateway to
+    read them, with the model's ``tokenizer`` (an events row); None: the estimate.
+    """
+    replicas: list[dict[str, Any]] = []
+    for url in replica_urls:
+        where = (events or {}).get(url)
+        replicas.append(
+            {"url": url}
+            if where is None
+            else {"url": url, "kv_events": where.endpoint, "kv_events_replay": where.replay}
+        )
+    model: dict[str, Any] = {"name": MODEL, "replicas": replicas}
+    if events is not None:
+        model["tokenizer"] = str(tokenizer)
     extra: dict[str, Any] = {
-        "models": [{"name": MODEL, "replicas": [{"url": u} for u in replica_urls]}],
+        "models": [model],
         # A gateway waiting for CPU behind busy engines must not time out connecting.
         "upstream": {"connect_timeout_s": 15.0},
     }
@@ -851,10 +1034,18 @@ async def run_row(
     config: BenchConfig,
     replica_urls: Sequence[str],
     work_dir: Path,
+    events: Mapping[str, EventsEndpoint] | None = None,
+    tokenizer: Path | None = None,
 ) -> RowResult:
+    """Play ``workload`` as ``row`` on emptied caches; what the replicas counted and the client saw.
+
+    ``replica_urls``: the replicas the row is judged on (for ``infinite_cache``, its own one);
+    ``events``, ``tokenizer``: what an events row's gateways read (``gateway_extra``).
+    """
     await reset_caches(session, replica_urls)
     started = time.monotonic()
     reasons: dict[str, float] = {}
+    pod_rates: dict[str, float] = {}
     replica_names = {u: f"r{k}" for k, u in enumerate(replica_urls)}
 
     async def send(targets: Callable[[int, int], tuple[str, str | None]]) -> Played:
@@ -870,6 +1061,8 @@ async def run_row(
             played = await send(lambda n, c: (homes[chats[c].system], None))
         else:
             played = await send(lambda n, i: (homes[i], None))
+    elif row == IDEAL_ROW:
+        played = await send(lambda n, i: (replica_urls[0], None))
     elif row == SESSION_ROW:
         if not isinstance(workload, Conversations):
             raise ValueError(f"{SESSION_ROW} needs conversations (--workload multiturn)")
@@ -877,12 +1070,17 @@ async def run_row(
         played = await send(lambda n, c: (homes[c], None))
     else:
         policy, _, pods = row.partition(" x")
+        exact = policy == EVENTS_ROW
+        if exact:
+            if events is None:
+                raise ValueError(f"{row}: the replicas publish no KV events")
+            await publish_clears(session, replica_urls)
         spec = FleetSpec(
-            policy=policy,
+            policy=DEFAULT_ROW if exact else policy,
             replicas=len(replica_urls),
             tenants=(TENANT,),
             nice=0,
-            extra=gateway_extra(config, replica_urls),
+            extra=gateway_extra(config, replica_urls, events if exact else None, tokenizer),
         )
         async with contextlib.AsyncExitStack() as stack:
             gateways = [
@@ -890,7 +1088,12 @@ async def run_row(
                 for i in range(int(pods or 1))
             ]
             urls = [g.url for g in gateways]
+            if exact:
+                await wait_exact(session, urls[0], len(replica_urls))
             played = await send(lambda n, i: (urls[n % len(urls)], TENANT.api_key))
+            for k, url in enumerate(urls):
+                prompt, cached = played.tokens.get(url, [0, 0])
+                pod_rates[f"pod{k}"] = cached / prompt if prompt else math.nan
             for gateway in gateways:
                 ids = zip(gateway.replica_ids, gateway.replica_urls, strict=True)
                 replica_names.update({i: replica_names.get(u.rstrip("/"), u) for i, u in ids})
@@ -903,6 +1106,7 @@ async def run_row(
     per_replica = {f"r{k}": hit_rate({u: first[u]}, {u: last[u]}) for k, u in enumerate(replica_urls)}
     seconds = time.monotonic() - started
     served = requests_served(first, last, replica_urls)
+    moved, split = played.moved_and_split() if isinstance(workload, Conversations) else (None, None)
     source = "vllm"
     if served is None:  # no counter on the replicas: what the client saw
         served = {name: 0.0 for name in replica_names.values()}
@@ -922,6 +1126,9 @@ async def run_row(
         reasons,
         requests_per_replica=served,
         split_source=source,
+        per_pod=pod_rates,
+        moved=moved,
+        split=split,
     )
 
 
@@ -942,20 +1149,36 @@ async def run_engine(config: BenchConfig, log: Callable[[str], None]) -> dict[st
     log(f"{tag} system prompts {working_set:,} tokens; {blocks} blocks of {BLOCK_SIZE} per replica")
     cores: list[dict[str, int]] = []
     results: list[RowResult] = []
+    # The events rows need the replicas publishing (launched so when the gateway's fleet has
+    # the model's tokenizer) and the infinite cache its own replica: vLLM only.
+    exact = any(r.partition(" x")[0] == EVENTS_ROW for r in config.rows) and config.engine == "vllm"
+    ideal = IDEAL_ROW in config.rows and config.engine == "vllm"
+    health = HealthSettings(interval_s=0.5, timeout_s=15.0, start_timeout_s=REPLICA_START_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="routing-vllm-") as tmp, contextlib.ExitStack() as pins:
         work = Path(tmp)
         fleet = Fleet(
             replica_models(config, blocks, model_dir),
-            HealthSettings(interval_s=0.5, timeout_s=15.0, start_timeout_s=REPLICA_START_TIMEOUT_S),
+            health,
             log_dir=work / "replicas",
             restart=RestartSettings(),
+            tokenized={MODEL} if exact else (),
         )
-        async with fleet, aiohttp.ClientSession() as session:
+        # Started beside the others and idle until its row: it takes the first core.
+        big = Fleet(
+            replica_models(config, IDEAL_BLOCKS, model_dir, count=1) if ideal else [],
+            health,
+            log_dir=work / "ideal",
+            restart=RestartSettings(),
+        )
+        async with fleet, big, aiohttp.ClientSession() as session:
             started = time.monotonic()
-            if not await fleet.wait_healthy(REPLICA_START_TIMEOUT_S, every=True):
-                raise RuntimeError(f"replicas not healthy after {REPLICA_START_TIMEOUT_S:.0f} s; logs: {work}")
+            for f in (fleet, big) if ideal else (fleet,):
+                if not await f.wait_healthy(REPLICA_START_TIMEOUT_S, every=True):
+                    raise RuntimeError(f"replicas not healthy after {REPLICA_START_TIMEOUT_S:.0f} s; logs: {work}")
             urls = [r.base_url for r in fleet.all()]
-            log(f"{tag} {len(urls)} replicas healthy in {time.monotonic() - started:.0f} s")
+            ideal_urls = [r.base_url for r in big.all()]
+            events = {r.base_url: fleet.kv_endpoints[r.id] for r in fleet.all()} if exact else None
+            log(f"{tag} {len(urls) + len(ideal_urls)} replicas healthy in {time.monotonic() - started:.0f} s")
             pgids = [r.pid for r in fleet.all() if r.pid is not None]
             if config.engine == "vllm" and config.cores == "apart":
                 pins.enter_context(engines_apart(pgids, log))
@@ -968,12 +1191,17 @@ async def run_engine(config: BenchConfig, log: Callable[[str], None]) -> dict[st
             warm = build_workload(
                 dataclasses.replace(config, prompts=config.concurrency, requests=WARM_UP_REQUESTS), 0, words, cut
             )
-            warmed = await play(session, warm, config, lambda n, i: (urls[n % len(urls)], None), urls)
+            everyone = urls + ideal_urls
+            warmed = await play(session, warm, config, lambda n, i: (everyone[n % len(everyone)], None), everyone)
             log(f"{tag} warm-up: {len(warmed.ttfts)} requests, {warmed.errors} errors")
+            rows = [r for r in config.rows if r not in EXTRA_ROWS or config.engine == "vllm"]
             for k, seed in enumerate(config.seeds):
                 runs: dict[str, list[RowResult]] = {}
-                for row in row_order(config.rows, k):
-                    result = await run_row(session, row, seed, workloads[seed], config, urls, work)
+                for row in row_order(rows, k):
+                    judged_on = ideal_urls if row == IDEAL_ROW else urls
+                    result = await run_row(
+                        session, row, seed, workloads[seed], config, judged_on, work, events, model_dir
+                    )
                     runs.setdefault(row, []).append(result)
                     log(
                         f"{tag} set {seed} {row:20s} hit {result.hit_rate:.3f} "
@@ -1041,22 +1269,27 @@ def _split(row: RowResult) -> str:
     return f"{counts} ({row.max_share:.0%})" if counts else "-"
 
 
+def _pods(row: RowResult) -> str:
+    """Each gateway pod's hit rate by vLLM's usage: ``pod0 0.912 pod1 0.910``."""
+    return " ".join(f"{k} {v:.3f}" for k, v in row.per_pod.items()) or "-"
+
+
 def _reasons(decisions: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions.items())) or "-"
 
 
 def detail_table(run: dict[str, Any]) -> list[str]:
     lines = [
-        "| set | row | hit rate | by quarter | per replica | requests per replica (max share) "
+        "| set | row | hit rate | by quarter | per replica | per gateway pod | requests per replica (max share) "
         "| TTFT p50 | TTFT p95 | errors | gateway decisions |",
-        "| ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | --- |",
+        "| ---: | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | --- |",
     ]
     for r in run["_results"]:
         quarters = " ".join(f"{q:.2f}" for q in r.quarters)
         replicas = " ".join(f"{k} {v:.2f}" for k, v in r.per_replica.items())
         runs = f" ({r.runs} runs)" if r.runs > 1 else ""
         lines.append(
-            f"| {r.seed} | {r.row}{runs} | {r.hit_rate:.3f} | {quarters} | {replicas} | {_split(r)} "
+            f"| {r.seed} | {r.row}{runs} | {r.hit_rate:.3f} | {quarters} | {replicas} | {_pods(r)} | {_split(r)} "
             f"| {r.ttft_p50 * 1000:.0f} ms "
             f"| {r.ttft_p95 * 1000:.0f} ms | {r.errors} | {_reasons(r.decisions)} |"
         )
@@ -1154,9 +1387,9 @@ def multiturn_section(runs: Sequence[dict[str, Any]], level: str = "##") -> list
         out += [
             f"{level}# Every row: {run['engine']}",
             "",
-            "| set | row | hit rate | by quarter | requests per replica | max share | TTFT p50 | TTFT p95 "
-            "| errors | gateway decisions |",
-            "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
+            "| set | row | hit rate | by quarter | per gateway pod | requests per replica | max share "
+            "| conversations moved (split) | TTFT p50 | TTFT p95 | errors | gateway decisions |",
+            "| ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in run["_results"]:
             counts = "/".join(f"{v:.0f}" for v in r.requests_per_replica.values())
@@ -1164,7 +1397,8 @@ def multiturn_section(runs: Sequence[dict[str, Any]], level: str = "##") -> list
             runs_note = f" ({r.runs} runs)" if r.runs > 1 else ""
             out.append(
                 f"| {r.seed} | {r.row}{runs_note} | {r.hit_rate:.3f} | {' '.join(f'{q:.2f}' for q in r.quarters)} "
-                f"| {counts}{source} | {r.max_share:.1%} | {r.ttft_p50 * 1000:.0f} ms | {r.ttft_p95 * 1000:.0f} ms "
+                f"| {_pods(r)} | {counts}{source} | {r.max_share:.1%} | {r.moved} ({r.split}) "
+                f"| {r.ttft_p50 * 1000:.0f} ms | {r.ttft_p95 * 1000:.0f} ms "
                 f"| {r.errors} | {_reasons(r.decisions)} |"
             )
         out.append("")
@@ -1273,7 +1507,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rows",
         type=str,
         default=None,
-        help=f"comma-separated, of: {', '.join(dict.fromkeys(ROWS + MULTITURN_ROWS))} ({SESSION_ROW}: multi-turn only)",
+        help=f"comma-separated, of: {', '.join(dict.fromkeys(ROWS + MULTITURN_ROWS + EXTRA_ROWS))} "
+        f"({SESSION_ROW}: multi-turn only; {', '.join(EXTRA_ROWS)}: vLLM only)",
     )
     parser.add_argument("--workload", type=str, default="uniform", help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--conversations", type=int, default=None, help="multi-turn: conversations per set (480)")
@@ -1327,9 +1562,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.seeds:
             base = dataclasses.replace(base, seeds=tuple(int(s) for s in args.seeds.split(",")))
         if args.rows:
-            known = MULTITURN_ROWS if workload == "multiturn" else ROWS
+            known = (MULTITURN_ROWS if workload == "multiturn" else ROWS) + EXTRA_ROWS
             rows = tuple(r.strip() for r in args.rows.split(",") if r.strip() in known)
-            unknown = {r.strip() for r in args.rows.split(",")} - set(ROWS) - set(MULTITURN_ROWS)
+            unknown = {r.strip() for r in args.rows.split(",")} - set(ROWS) - set(MULTITURN_ROWS) - set(EXTRA_ROWS)
             if unknown:
                 parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
             base = dataclasses.replace(base, rows=rows)
