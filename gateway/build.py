@@ -87,7 +87,8 @@ def fleet(
     tokenized = [m.name for m in settings.models if counter is not None and counter.counts(m.name)]
     for model in settings.models:
         for i, rs in enumerate(model.replicas):
-            if rs.kv_events not in (None, False) and model.name not in tokenized:
+            discovered = rs.kubernetes is not None and rs.kubernetes.kv_events_port is not None
+            if (discovered or rs.kv_events not in (None, False)) and model.name not in tokenized:
                 raise ConfigError(
                     f"models.{model.name}.replicas.{i}.kv_events: the gateway has no tokenizer for this model, so it "
                     "cannot hash its prompts as the replica's KV events do; set models[].tokenizer, or kv_events: false"
@@ -114,7 +115,8 @@ def kv_events(settings: Settings, fleet: Fleet, router: Router, counter: PromptC
     models they serve keep their prompts' token ids (``PromptCounter.count(ids=True)``)."""
     index = KvIndex(settings.routing.kv_events_max_blocks)
     streams = KvEventStreams(fleet.kv_endpoints, index, fleet.clock)
-    models = frozenset(r.model for r in fleet.all() if r.id in fleet.kv_endpoints)
+    fleet.bind_kv_events(streams.update)  # discovered replicas come and go
+    models = frozenset(fleet.kv_models)
     if models:
         router.kv, router.kv_models = index, models
         log.info("KV events read for routing", extra={"models": sorted(models), "replicas": len(fleet.kv_endpoints)})

@@ -94,6 +94,29 @@ class KubernetesSource(_Frozen):
     # The EndpointSlice port to use, by name or number (default: the slice's first port).
     port: str | int | None = None
     scheme: Literal["http", "https"] = "http"
+    # Where each pod publishes vLLM's KV-cache events (`--kv-events-config`'s endpoint
+    # `tcp://*:PORT`), and its replay socket: read at the pod's own address, into the exact
+    # prefix index. Unset: the pods' events are not read.
+    kv_events_port: int | None = Field(None, ge=1, le=65535)
+    kv_events_replay_port: int | None = Field(None, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _replay_needs_events(self) -> KubernetesSource:
+        if self.kv_events_replay_port is not None and self.kv_events_port is None:
+            raise ValueError("kv_events_replay_port needs kv_events_port, the publisher's port")
+        return self
+
+    def events_at(self, host: str, topic: str = "") -> EventsEndpoint | None:
+        """Where the pod at ``host`` (an address, IPv6 without brackets) publishes; None: not read."""
+        if self.kv_events_port is None:
+            return None
+        address = f"[{host}]" if ":" in host else host
+        replay = self.kv_events_replay_port
+        return EventsEndpoint(
+            f"tcp://{address}:{self.kv_events_port}",
+            None if replay is None else f"tcp://{address}:{replay}",
+            topic,
+        )
 
 
 class ReplicaSettings(_Frozen):
@@ -183,14 +206,14 @@ class ReplicaSettings(_Frozen):
             raise ValueError("engine 'vllm' needs 'model_path' (a local directory or a model id)")
         if self.api_key is not None and any(n.lower() == "authorization" for n in self.headers):
             raise ValueError("give the credential once: 'api_key' or an Authorization header, not both")
+        if self.kubernetes is not None and self.kv_events not in (None, False):
+            raise ValueError("a 'kubernetes' source's KV events are kubernetes.kv_events_port (each pod's address)")
         if isinstance(self.kv_events, str) and self.url is None:
             raise ValueError("kv_events as an endpoint is for 'url' replicas; managed ones take true or false")
         if self.kv_events_replay is not None and not isinstance(self.kv_events, str):
             raise ValueError("kv_events_replay needs kv_events, the publisher's endpoint")
         if self.url is not None and self.kv_events is True:
             raise ValueError("a 'url' replica's kv_events is its publisher's endpoint, 'tcp://host:port'")
-        if self.kubernetes is not None and self.kv_events not in (None, False):
-            raise ValueError("kv_events is not read for 'kubernetes' replicas yet")
         if self.engine is not None and self.probe == "none":
             raise ValueError("probe 'none' is for external replicas: a managed one is probed to know it started")
         given = _flag_value(self.args, "--scheduling-policy")

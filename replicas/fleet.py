@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -152,6 +153,10 @@ class Fleet:
         # by default (``publishes_events``), and where each replica publishes, by replica id.
         self._tokenized = frozenset(tokenized)
         self.kv_endpoints: dict[str, EventsEndpoint] = {}
+        # Models some of whose replicas publish, found or yet to be found by discovery.
+        self.kv_models: set[str] = set()
+        # Told of each discovered replica's events endpoint as it comes (None: it went).
+        self._kv_listener: Callable[[str, EventsEndpoint | None], None] | None = None
         self._on_down = on_down
         # Told of each replica discovery removed or an operator restarts: its streams under
         # way move elsewhere.
@@ -169,8 +174,10 @@ class Fleet:
         self._health_task: asyncio.Task[None] | None = None
         self.checker: HealthChecker | None = None
         self.discovery: list[tuple[str, KubernetesSource]] = []
-        # What each discovery source's replicas get: served name, probe, headers.
+        # What each discovery source's replicas get: served name, probe, headers; and the
+        # source itself, which says where its pods publish KV events.
         self._discovered_as: list[_Upstream] = []
+        self._discovered_from: list[ReplicaSettings] = []
         # Replica ids each discovery source (model, index in `discovery`) added.
         self._owned: dict[tuple[str, int], set[str]] = {}
         # Discovery sources (index in `discovery`) whose first list has arrived.
@@ -226,11 +233,16 @@ class Fleet:
             if rs.kubernetes is not None:
                 self.discovery.append((model.name, rs.kubernetes))
                 self._discovered_as.append(up)
+                self._discovered_from.append(rs)
+                if rs.kubernetes.kv_events_port is not None:
+                    self.kv_models.add(model.name)
                 continue
             for _ in range(rs.count):
                 index = len(replicas)
                 rid = f"{model.name}-{index}"
                 events = publishes_events(rs, model.name, self._tokenized)
+                if events:
+                    self.kv_models.add(model.name)
                 if rs.url is not None:
                     replicas.append(self._replica(rid, rs.url, model, up, managed=False))
                     if events and isinstance(rs.kv_events, str):
@@ -285,13 +297,32 @@ class Fleet:
                     self._on_removed(replica)
         settings = self._models[model]
         up = self._discovered_as[source]
+        for rid in removed:
+            self._events_moved(rid, None)
         for rid in added:
             keep.append(self._replica(rid, desired[rid], settings, up, managed=False))
+            rs = self._discovered_from[source]
+            host = urlsplit(desired[rid]).hostname
+            if rs.kubernetes is not None and host:
+                self._events_moved(rid, rs.kubernetes.events_at(host, rs.kv_events_topic))
         current[:] = keep  # in place: routing closures hold this list
         owned.difference_update(removed)
         owned.update(added)
         log.info("fleet changed", extra={"model": model, "added": added, "removed": removed})
         return added, [rid for rid in removed if rid not in added]
+
+    def bind_kv_events(self, listener: Callable[[str, EventsEndpoint | None], None]) -> None:
+        """Tell ``listener`` of each replica discovery adds that publishes KV events (its
+        endpoint) and of each one it removes (None)."""
+        self._kv_listener = listener
+
+    def _events_moved(self, rid: str, where: EventsEndpoint | None) -> None:
+        if where is None and self.kv_endpoints.pop(rid, None) is None:
+            return
+        if where is not None:
+            self.kv_endpoints[rid] = where
+        if self._kv_listener is not None:
+            self._kv_listener(rid, where)
 
     def all(self) -> list[Replica]:
         return [r for rs in self.by_model.values() for r in rs]

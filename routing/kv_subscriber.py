@@ -96,6 +96,7 @@ class KvSubscriber:
         zmq = self._zmq
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.IPV6, 1)  # a pod's address may be IPv6 (``KubernetesSource.events_at``)
         sub.setsockopt(zmq.SUBSCRIBE, self.where.topic.encode())
         sub.connect(self.where.endpoint)
         self._sub = sub
@@ -184,6 +185,7 @@ class KvSubscriber:
         # takes its many replies.
         sock = self._ctx.socket(self._zmq.DEALER)
         sock.setsockopt(self._zmq.LINGER, 0)
+        sock.setsockopt(self._zmq.IPV6, 1)
         try:
             sock.connect(endpoint)
             await sock.send_multipart([b"", (0).to_bytes(8, "big")])
@@ -228,15 +230,38 @@ class KvEventStreams:
         self.subscribers = {
             rid: KvSubscriber(rid, where, index.replica(rid), clock=clock) for rid, where in endpoints.items()
         }
+        self._started = False
+        # Subscribers of replicas that went, closing.
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> KvEventStreams:
+        self._started = True
         for subscriber in self.subscribers.values():
             subscriber.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._started = False
         for subscriber in reversed(list(self.subscribers.values())):
             await subscriber.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def update(self, replica_id: str, where: EventsEndpoint | None) -> None:
+        """A replica discovery found publishing at ``where``, or that went (None): its
+        subscriber is replaced or closed, and what the index held of it forgotten."""
+        old = self.subscribers.pop(replica_id, None)
+        if old is not None:
+            task = asyncio.get_running_loop().create_task(old.close(), name=f"kv-events-close:{replica_id}")
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        self.index.forget(replica_id)
+        if where is None:
+            return
+        subscriber = KvSubscriber(replica_id, where, self.index.replica(replica_id), clock=self._clock)
+        self.subscribers[replica_id] = subscriber
+        if self._started:
+            subscriber.start()
 
     def describe(self) -> dict[str, dict[str, object]]:
         """Per replica: whether its events are in use (``exact``), blocks held, last sequence,

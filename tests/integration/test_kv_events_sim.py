@@ -26,7 +26,7 @@ from sim.batched_engine import BatchedSimEngine
 from sim.kv_publisher import KvEventPublisher
 from sim.model import prompt_token_ids
 from sim.prompts import chat_turns, render_chat
-from sim.server import create_app
+from sim.server import create_app, token_ids_with
 from tests.integration.harness import API_KEY, in_process_gateway, serve_app
 from tokens.model_tokenizer import ModelTokenizer
 
@@ -70,10 +70,15 @@ def engine(num_blocks: int = 4096) -> BatchedSimEngine:
 
 
 @contextlib.asynccontextmanager
-async def published_sim(pub: int, replay: int, sim: BatchedSimEngine) -> AsyncIterator[tuple[str, KvEventPublisher]]:
+async def published_sim(
+    pub: int, replay: int, sim: BatchedSimEngine, tokenizer: str | None = None
+) -> AsyncIterator[tuple[str, KvEventPublisher]]:
+    """A simulated replica publishing its KV events; with ``tokenizer`` (a model directory)
+    its prompts are that tokenizer's ids, as a gateway with it counts them."""
     publisher = KvEventPublisher(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
     sim.publish_events(publisher)
-    async with serve_app(create_app(sim, "m", kv_publisher=publisher)) as url:
+    token_ids = token_ids_with(tokenizer) if tokenizer else None
+    async with serve_app(create_app(sim, "m", kv_publisher=publisher, token_ids=token_ids)) as url:
         yield url, publisher
 
 
@@ -213,3 +218,34 @@ async def _hits(http: aiohttp.ClientSession, gateway: Any, rid: str) -> float:
         if line.startswith("vllm:prefix_cache_hits_total"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError("no prefix_cache_hits_total")
+
+
+async def test_a_discovered_pods_events_are_read_at_its_address_and_let_go_when_it_goes(tmp_path: Path) -> None:
+    """A ``kubernetes`` source with ``kv_events_port``: no Kubernetes API runs here, so the
+    test hands the fleet the pod set as the EndpointSlice watch would (``Fleet.sync``); the
+    pod is a simulated replica publishing on that port at the pod's address."""
+    model_dir = str(word_model(tmp_path / "model"))
+    pub, replay = free_port(), free_port()
+    source = {"service": "vllm", "kv_events_port": pub, "kv_events_replay_port": replay}
+    config = {"models": [{"name": "m", "tokenizer": model_dir, "replicas": [{"kubernetes": source}]}]}
+    async with (
+        published_sim(pub, replay, engine(), model_dir) as (sim_url, _),
+        in_process_gateway(config, tmp_path) as (_, gateway, _),
+        aiohttp.ClientSession() as http,
+    ):
+        streams, index = gateway.kv_events, gateway.router.kv
+        assert index is not None and gateway.router.wants_token_ids("m") and not streams.subscribers
+        gateway.fleet.sync("m", {"vllm-pod-1": sim_url}, source=0)
+        subscriber = streams.subscribers["vllm-pod-1"]
+        assert subscriber.where == EventsEndpoint(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+        await until(lambda: subscriber.counts.replays >= 1)
+        await asyncio.sleep(0.5)  # a SUB socket misses what is sent before it has joined
+        body = chat("what is a cache block and why does it matter")
+        await ask(http, sim_url, "what is a cache block and why does it matter")
+        ids = ModelTokenizer.load(Path(model_dir)).token_ids(CHAT, body)
+        await until(lambda: index.cached_tokens(ids, "vllm-pod-1") == len(ids) // BLOCK * BLOCK)
+
+        # The pod goes: its subscriber closes and the index forgets it.
+        gateway.fleet.sync("m", {}, source=0)
+        assert not streams.subscribers and index.cached_tokens(ids, "vllm-pod-1") is None
+        await until(lambda: subscriber._task is None or subscriber._task.done())
