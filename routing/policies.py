@@ -367,8 +367,11 @@ class PrefixAffinity:
         # Where the replicas' KV events say exactly how much of the conversation's own turns
         # each one holds, one that holds more than every home (a spill took it there) ranks
         # with the homes, above them: its next turn stays with its history.
-        held = {r.id: self._history(request, r) for r in candidates} if request.exact is not None else {}
-        at_home = max((held.get(r.id, 0) for r in candidates if r.base_url in homes), default=0)
+        held: dict[str, int] = {}
+        at_home = 0
+        if request.exact is not None:
+            held = {r.id: self._history(request, r) for r in candidates}
+            at_home = max((held[r.id] for r in candidates if r.base_url in homes), default=0)
 
         def rank(replica: Replica) -> tuple[int, int, float]:
             """Homes first (the one holding the conversation's history, else by the session's
