@@ -265,14 +265,15 @@ class BatchRecord:
     def to_bytes(self) -> bytes:
         nested = ("errors", "counts", "usage")
         plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in nested}
-        return orjson.dumps(
-            {
-                **plain,
-                "errors": [e.to_json() for e in self.errors],
-                "counts": self.counts.to_json(),
-                "usage": self.usage.to_json() if self.usage is not None else None,
-            }
-        )
+        kept = {**plain, "errors": [e.to_json() for e in self.errors], "counts": self.counts.to_json()}
+        if self.usage is not None:
+            kept["usage"] = self.usage.to_json()
+        # Left out when unset, so a batch from before these keys stays readable by the pods
+        # of that version after a pod of this one moved it along (``from_bytes``).
+        for key in _LATER_KEYS:
+            if kept.get(key) is None:
+                kept.pop(key, None)
+        return orjson.dumps(kept)
 
     @classmethod
     def from_bytes(cls, raw: bytes | str) -> BatchRecord:
@@ -283,10 +284,12 @@ class BatchRecord:
         None (shown as null: its items were not counted). Keys this version does not know
         are ignored, so a record written by a later version loads here. The version before
         ``model`` and ``usage`` passed every key to the constructor, so a pod of that version
-        fails on a record that has them (a TypeError): it answers 500 for such a batch, the
-        items of it that it claims fail before they are sent and go back to the queue when
-        their lease lapses, and its maintenance pass stops at such a batch; pods of this
-        version run and finish those batches, and count every item of them.
+        fails on a record that has them (a TypeError), that is on a batch a pod of this
+        version created (``to_bytes`` leaves them out of the older batches it rewrites): it
+        answers 500 for such a batch, the items of it that it claims fail before they are
+        sent and go back to the queue when their lease lapses, and its maintenance pass stops
+        at such a batch; pods of this version run and finish those batches, and count every
+        item of them.
         """
         data = orjson.loads(raw)
         known = {f.name for f in dataclasses.fields(cls)}
@@ -296,6 +299,10 @@ class BatchRecord:
         usage = data.get("usage")
         data["usage"] = Usage.from_json(usage) if isinstance(usage, dict) else None
         return cls(**data)
+
+
+# Keys a record has had since the batch object carried ``model`` and ``usage``.
+_LATER_KEYS = ("model", "usage")
 
 
 def next_step(record: BatchRecord, counts: Counts, leased: int, now: int) -> str | None:

@@ -175,7 +175,7 @@ class Runner:
         except orjson.JSONDecodeError:
             parsed = answer.body.decode("utf-8", "replace")
         result = output_line(item.custom_id, answer.status, answer.request_id, parsed)
-        # The batch's usage sums its answered items' (OpenAI's: a failed item adds nothing).
+        # The batch's usage is its output file's: a failed item's answer adds nothing.
         usage = usage_of(record.endpoint, parsed) if ok else ZERO
         if await self.store.complete(self.token, claim, ok, result, usage):
             self.metrics.items.labels("completed" if ok else "failed").inc()

@@ -163,8 +163,8 @@ def test_a_record_survives_its_bytes() -> None:
 
 
 def test_a_record_kept_before_model_and_usage_loads_without_them() -> None:
-    old = orjson.loads(record(status="in_progress").to_bytes())
-    del old["model"], old["usage"]
+    kept = orjson.loads(record(status="in_progress", model="tiny").to_bytes())
+    old = {k: v for k, v in kept.items() if k not in ("model", "usage")}
     loaded = BatchRecord.from_bytes(orjson.dumps(old))
     assert loaded.model is None and loaded.usage is None
     # Its items were not all counted: no usage is shown, live or final.
@@ -191,3 +191,13 @@ def test_completion_windows() -> None:
     assert window_seconds("24 hours") is None and window_seconds("0h") is None
     with pytest.raises(ValueError, match="completion window"):
         BatchSettings(completion_windows=["soon"])
+
+
+def test_an_older_batch_rewritten_by_this_version_stays_readable_by_the_older_one() -> None:
+    """A pod of the version before ``model`` and ``usage`` built a record from every key it
+    read; a batch it created must not gain keys it does not know when this version moves it."""
+    old_keys = {"id", "tenant", "endpoint", "input_file_id", "completion_window", "created_at", "expires_at"}
+    old_keys |= {"status", "metadata", "errors", "output_file_id", "error_file_id", "counts", "times"}
+    older = record(status="in_progress", usage=None)
+    assert set(orjson.loads(older.moved("cancelling", 120).to_bytes())) == old_keys
+    assert set(orjson.loads(record(model="tiny").to_bytes())) == old_keys | {"model", "usage"}
