@@ -7,8 +7,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batch.model import TERMINAL, BatchRecord, Counts
+from batch.model import TERMINAL, BatchRecord, Counts, Progress
 from batch.store import Claim
+from batch.usage import ZERO, Usage
 
 
 @dataclass
@@ -21,6 +22,7 @@ class _Queue:
     completed: int = 0
     failed: int = 0
     leased: int = 0
+    usage: Usage = ZERO
 
 
 class MemoryBatchStore:
@@ -119,7 +121,9 @@ class MemoryBatchStore:
             if queue is not None:
                 queue.retry.append(claim.index)
 
-    async def complete(self, token: str, claim: Claim, ok: bool, line: bytes) -> bool:
+    async def complete(self, token: str, claim: Claim, ok: bool, line: bytes, usage: Usage = ZERO) -> bool:
+        # No await between the check and the counts: the result, its count and its usage
+        # are written in one step of the event loop.
         queue = self._queues.get(claim.batch_id)
         written = False
         if queue is not None and claim.index not in queue.results:
@@ -128,6 +132,7 @@ class MemoryBatchStore:
                 queue.completed += 1
             else:
                 queue.failed += 1
+            queue.usage += usage
             written = True
         self._drop_lease(claim, token)
         return written
@@ -144,16 +149,18 @@ class MemoryBatchStore:
                 queue.retry.append(claim.index)
         return len(expired)
 
-    async def progress(self, batch_id: str) -> tuple[Counts, int]:
+    async def progress(self, batch_id: str) -> Progress:
         queue = self._queues.get(batch_id)
         if queue is None:
             record = self._records.get(batch_id)
-            return (record.counts if record is not None else Counts()), 0
-        return Counts(queue.total, queue.completed, queue.failed), queue.leased
+            if record is None:
+                return Progress(Counts())
+            return Progress(record.counts, 0, record.usage or ZERO)
+        return Progress(Counts(queue.total, queue.completed, queue.failed), queue.leased, queue.usage)
 
-    async def results(self, batch_id: str) -> dict[int, tuple[bool, bytes]]:
+    async def results(self, batch_id: str) -> tuple[dict[int, tuple[bool, bytes]], Usage]:
         queue = self._queues.get(batch_id)
-        return dict(queue.results) if queue is not None else {}
+        return (dict(queue.results), queue.usage) if queue is not None else ({}, ZERO)
 
     async def lock(self, batch_id: str, token: str, ttl_s: float) -> bool:
         now = self.clock()

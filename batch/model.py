@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from batch.usage import ZERO, Usage
+
 # The endpoints a batch may name, and the gateway route each line's url must equal.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
 # OpenAI reports a validation failure's first errors, not every line of a broken file.
@@ -76,6 +78,8 @@ class Item:
 class Validation:
     items: tuple[Item, ...]
     errors: tuple[LineError, ...]
+    # The batch's ``model``: the first item's ``body.model`` (None when the input failed).
+    model: str | None = None
 
 
 def iter_lines(data: bytes) -> Iterator[tuple[int, int, int]]:
@@ -115,13 +119,22 @@ def validate(data: bytes, endpoint: str, max_requests: int) -> Validation:
     elif count > max_requests:
         message = f"The batch has {count} requests; the limit is {max_requests} per batch."
         errors.insert(0, LineError("too_many_requests", message))
-    return Validation(tuple(items) if not errors else (), tuple(errors))
+    if errors:
+        return Validation((), tuple(errors))
+    return Validation(tuple(items), (), _model(data[items[0].offset : items[0].offset + items[0].length]))
 
 
 def _custom_id(line: bytes) -> str:
     value = orjson.loads(line)["custom_id"]
     assert isinstance(value, str)
     return value
+
+
+def _model(line: bytes) -> str | None:
+    """A line's ``body.model``. OpenAI's batch object names one model; items may name
+    others (the gateway routes each as it comes), and the first one's stands for the batch."""
+    value = orjson.loads(line)["body"].get("model")
+    return value if isinstance(value, str) else None
 
 
 def _check_line(line: bytes, number: int, endpoint: str, seen: set[str]) -> LineError | None:
@@ -184,6 +197,16 @@ class Counts:
 
 
 @dataclass(frozen=True, slots=True)
+class Progress:
+    """What a store counts of a running batch: its items' counts, the items under lease and
+    the usage of the items answered (2xx) so far."""
+
+    counts: Counts
+    leased: int = 0
+    usage: Usage = ZERO
+
+
+@dataclass(frozen=True, slots=True)
 class BatchRecord:
     """One batch as kept by a store: OpenAI's fields plus its tenant."""
 
@@ -202,6 +225,10 @@ class BatchRecord:
     # The final counts (a running batch's come from the store's counters).
     counts: Counts = Counts()
     times: dict[str, int] = field(default_factory=dict)
+    model: str | None = None
+    # The final usage, as ``counts``. None on a record kept before batches counted usage
+    # (``from_bytes``): the pods that ran its items did not count them, so none is shown.
+    usage: Usage | None = ZERO
 
     def moved(self, to: str, now: int, **changes: Any) -> BatchRecord:
         """This batch in status ``to`` (its ``<to>_at`` stamped), or ``TransitionError``."""
@@ -209,9 +236,11 @@ class BatchRecord:
             raise TransitionError(f"a batch cannot go from {self.status} to {to}")
         return dataclasses.replace(self, status=to, times={**self.times, f"{to}_at": now}, **changes)
 
-    def to_openai(self, counts: Counts | None = None) -> dict[str, Any]:
-        """The ``batch`` object; ``counts``: the live counts of a running batch."""
-        shown = counts if counts is not None and self.status not in TERMINAL else self.counts
+    def to_openai(self, live: Progress | None = None) -> dict[str, Any]:
+        """The ``batch`` object; ``live``: the store's counts of a running batch."""
+        running = live is not None and self.status not in TERMINAL
+        shown = live.counts if live is not None and running else self.counts
+        usage = live.usage if live is not None and running and self.usage is not None else self.usage
         body: dict[str, Any] = {
             "id": self.id,
             "object": "batch",
@@ -226,27 +255,54 @@ class BatchRecord:
             "expires_at": self.expires_at,
             "request_counts": shown.to_json(),
             "metadata": self.metadata,
+            "model": self.model,
+            "usage": usage.to_openai() if usage is not None else None,
         }
         for status in ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled"):
             body[f"{status}_at"] = self.times.get(f"{status}_at")
         return body
 
     def to_bytes(self) -> bytes:
-        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("errors", "counts")}
-        return orjson.dumps(
-            {
-                **plain,
-                "errors": [e.to_json() for e in self.errors],
-                "counts": self.counts.to_json(),
-            }
-        )
+        nested = ("errors", "counts", "usage")
+        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in nested}
+        kept = {**plain, "errors": [e.to_json() for e in self.errors], "counts": self.counts.to_json()}
+        if self.usage is not None:
+            kept["usage"] = self.usage.to_json()
+        # Left out when unset, so a batch from before these keys stays readable by the pods
+        # of that version after a pod of this one moved it along (``from_bytes``).
+        for key in _LATER_KEYS:
+            if kept.get(key) is None:
+                kept.pop(key, None)
+        return orjson.dumps(kept)
 
     @classmethod
     def from_bytes(cls, raw: bytes | str) -> BatchRecord:
+        """A kept record, whichever version of the gateway wrote it (pods of two versions
+        share Redis during a rolling upgrade).
+
+        A record from before ``model`` and ``usage`` loads with ``model`` None and ``usage``
+        None (shown as null: its items were not counted). Keys this version does not know
+        are ignored, so a record written by a later version loads here. The version before
+        ``model`` and ``usage`` passed every key to the constructor, so a pod of that version
+        fails on a record that has them (a TypeError), that is on a batch a pod of this
+        version created (``to_bytes`` leaves them out of the older batches it rewrites): it
+        answers 500 for such a batch, the items of it that it claims fail before they are
+        sent and go back to the queue when their lease lapses, and its maintenance pass stops
+        at such a batch; pods of this version run and finish those batches, and count every
+        item of them.
+        """
         data = orjson.loads(raw)
+        known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
         data["errors"] = tuple(LineError(**e) for e in data.get("errors") or ())
         data["counts"] = Counts(**data["counts"])
+        usage = data.get("usage")
+        data["usage"] = Usage.from_json(usage) if isinstance(usage, dict) else None
         return cls(**data)
+
+
+# Keys a record has had since the batch object carried ``model`` and ``usage``.
+_LATER_KEYS = ("model", "usage")
 
 
 def next_step(record: BatchRecord, counts: Counts, leased: int, now: int) -> str | None:

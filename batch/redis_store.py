@@ -7,17 +7,20 @@ unchanged on Redis Cluster)::
     fg:batch:{b}:tenant:<t>    sorted set: the tenant's batch ids by created_at (listing)
     fg:batch:{b}:active        sorted set: batches not yet ended, oldest first (claim order)
     fg:batch:{b}:q:<id>        hash: total, next (the next item never taken), open (1/0),
-                               completed, failed, leased
+                               completed, failed, leased; input_tokens, output_tokens,
+                               cached_tokens, reasoning_tokens (the usage of the items
+                               answered; absent until an item adds to it)
     fg:batch:{b}:retry:<id>    list: items handed back (admission said later, or a lease expired)
     fg:batch:{b}:res:<id>      hash: item -> "1"/"0" (2xx or not) + its output line
     fg:batch:{b}:leases        sorted set: "<id>|<item>" -> lease expiry (ms, Redis TIME)
     fg:batch:{b}:owners        hash: "<id>|<item>" -> the token of the pod holding it
     fg:batch:{b}:lock:<id>     string: the pod finishing the batch (PX)
 
-Exactly once: a result is written with ``HSETNX`` inside the script that counts it, so an
-item run twice (its lease expired while a slow pod still ran it) is still written and
-counted once; ``claim`` skips an item handed back that has a result meanwhile. The lease
-clock is Redis's (``TIME``), so pods with skewed clocks agree on when a lease expires.
+Exactly once: a result is written with ``HSETNX`` inside the script that counts it and adds
+its tokens to the batch's usage, so an item run twice (its lease expired while a slow pod
+still ran it) is still written, counted and its tokens added once; ``claim`` skips an item
+handed back that has a result meanwhile. The lease clock is Redis's (``TIME``), so pods with
+skewed clocks agree on when a lease expires.
 
 Failure policy: each call is bounded by ``batch.redis_timeout_ms``, behind a breaker; a
 failure raises ``BatchStoreUnavailable`` (a client gets a 503, the runner waits and tries again).
@@ -31,8 +34,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from batch.config import BatchSettings
-from batch.model import TERMINAL, BatchRecord, Counts
+from batch.model import TERMINAL, BatchRecord, Counts, Progress
 from batch.store import BatchStoreUnavailable, Claim
+from batch.usage import ZERO, Usage
 from common.breaker import CircuitBreaker
 from redisconn.config import RedisSecurity
 from redisconn.factory import ClientOptions, RedisClient, connect
@@ -41,6 +45,8 @@ from redisconn.guard import Guard
 log = logging.getLogger("fleetgate.batch")
 
 DEFAULT_PREFIX = "fg:batch:{b}:"
+# The queue hash's usage fields, in ``Usage``'s order (COMPLETE_SCRIPT names them too).
+USAGE_FIELDS = ("input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
 _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -123,7 +129,8 @@ return 1
 """
 )
 
-# KEYS: leases, owners. ARGV: prefix, token, batch id, item, "1"/"0", line.
+# KEYS: leases, owners. ARGV: prefix, token, batch id, item, "1"/"0", line, then the item's
+# input, output, cached and reasoning tokens.
 COMPLETE_SCRIPT = (
     _DROP
     + """
@@ -135,6 +142,12 @@ if redis.call('EXISTS', q) == 1 and redis.call('HSETNX', res, ARGV[4], ARGV[5] .
     redis.call('HINCRBY', q, 'completed', 1)
   else
     redis.call('HINCRBY', q, 'failed', 1)
+  end
+  for i, name in ipairs({'input_tokens', 'output_tokens', 'cached_tokens', 'reasoning_tokens'}) do
+    local n = tonumber(ARGV[6 + i])
+    if n and n ~= 0 then
+      redis.call('HINCRBY', q, name, n)
+    end
   end
   written = 1
 end
@@ -326,25 +339,36 @@ class RedisBatchStore:
         args: list[Any] = [self._p, token, claim.batch_id, claim.index]
         await self._run(lambda: self._release(keys=self._lease_keys, args=args))
 
-    async def complete(self, token: str, claim: Claim, ok: bool, line: bytes) -> bool:
-        args: list[Any] = [self._p, token, claim.batch_id, claim.index, "1" if ok else "0", line]
+    async def complete(self, token: str, claim: Claim, ok: bool, line: bytes, usage: Usage = ZERO) -> bool:
+        tokens = (usage.input, usage.output, usage.cached, usage.reasoning)
+        args: list[Any] = [self._p, token, claim.batch_id, claim.index, "1" if ok else "0", line, *tokens]
         return bool(await self._run(lambda: self._complete(keys=self._lease_keys, args=args)))
 
     async def reap(self) -> int:
         return int(await self._run(lambda: self._reap(keys=self._lease_keys, args=[self._p])))
 
-    async def progress(self, batch_id: str) -> tuple[Counts, int]:
-        fields = ("total", "completed", "failed", "leased")
+    async def progress(self, batch_id: str) -> Progress:
+        fields = ("total", "completed", "failed", "leased", *USAGE_FIELDS)
         values = await self._run(lambda: self._client.hmget(f"{self._p}q:{batch_id}", fields))
         if values[0] is None:
             record = await self.get_any(batch_id)
-            return (record.counts if record is not None else Counts()), 0
-        total, completed, failed, leased = (int(v or 0) for v in values)
-        return Counts(total, completed, failed), leased
+            if record is None:
+                return Progress(Counts())
+            return Progress(record.counts, 0, record.usage or ZERO)
+        total, completed, failed, leased, *tokens = (int(v or 0) for v in values)
+        return Progress(Counts(total, completed, failed), leased, Usage(*tokens))
 
-    async def results(self, batch_id: str) -> dict[int, tuple[bool, bytes]]:
-        raw = await self._run(lambda: self._client.hgetall(f"{self._p}res:{batch_id}"))
-        return {int(k): (bytes(v[:1]) == b"1", bytes(v[1:])) for k, v in raw.items()}
+    async def results(self, batch_id: str) -> tuple[dict[int, tuple[bool, bytes]], Usage]:
+        async def call() -> tuple[dict[Any, Any], list[Any]]:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hgetall(f"{self._p}res:{batch_id}")
+            pipe.hmget(f"{self._p}q:{batch_id}", USAGE_FIELDS)
+            raw, tokens = await pipe.execute()
+            return raw, tokens
+
+        raw, tokens = await self._run(call)
+        results = {int(k): (bytes(v[:1]) == b"1", bytes(v[1:])) for k, v in raw.items()}
+        return results, Usage(*(int(v or 0) for v in tokens))
 
     async def lock(self, batch_id: str, token: str, ttl_s: float) -> bool:
         args: list[Any] = [token, round(ttl_s * 1000)]

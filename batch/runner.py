@@ -41,6 +41,7 @@ from batch.model import (
     output_line,
 )
 from batch.store import BatchStore, BatchStoreUnavailable, Claim
+from batch.usage import ZERO, Usage, usage_of
 
 log = logging.getLogger("fleetgate.batch")
 
@@ -174,7 +175,9 @@ class Runner:
         except orjson.JSONDecodeError:
             parsed = answer.body.decode("utf-8", "replace")
         result = output_line(item.custom_id, answer.status, answer.request_id, parsed)
-        if await self.store.complete(self.token, claim, ok, result):
+        # The batch's usage is its output file's: a failed item's answer adds nothing.
+        usage = usage_of(record.endpoint, parsed) if ok else ZERO
+        if await self.store.complete(self.token, claim, ok, result, usage):
             self.metrics.items.labels("completed" if ok else "failed").inc()
 
     async def _hand_back(self, claim: Claim, retry_after_s: float | None) -> None:
@@ -231,17 +234,17 @@ class Runner:
                 continue
             self._records[batch_id] = record
             statuses[record.status] = statuses.get(record.status, 0) + 1
-            counts, leased = await self.store.progress(batch_id)
-            step = next_step(record, counts, leased, int(self.wall()))
+            progress = await self.store.progress(batch_id)
+            step = next_step(record, progress.counts, progress.leased, int(self.wall()))
             if step == "close":
                 await self.store.close(batch_id)
             elif step is not None:
-                await self._finish(record, step, counts)
+                await self._finish(record, step)
         for status, count in statuses.items():
             self.metrics.active.labels(status).set(count)
         self.metrics.queue_depth.set(await self.store.queue_depth())
 
-    async def _finish(self, record: BatchRecord, step: str, counts: Counts) -> None:
+    async def _finish(self, record: BatchRecord, step: str) -> None:
         """Write the output and error files, then the final status (one pod, under a lock)."""
         if not await self.store.lock(record.id, self.token, max(60.0, self.settings.lease_s)):
             return
@@ -253,9 +256,18 @@ class Runner:
                     return
                 record = moved
             await self.store.close(record.id)
-            output_id, error_id, final = await self._write_files(record, step)
+            output_id, error_id, final, usage = await self._write_files(record, step)
             end = {"finalize": "completed", "expire": "expired", "cancel": "cancelled"}[step]
-            done = record.moved(end, int(self.wall()), output_file_id=output_id, error_file_id=error_id, counts=final)
+            # A batch kept before usage was counted shows none (``BatchRecord.from_bytes``).
+            kept_usage = usage if record.usage is not None else None
+            done = record.moved(
+                end,
+                int(self.wall()),
+                output_file_id=output_id,
+                error_file_id=error_id,
+                counts=final,
+                usage=kept_usage,
+            )
         except TransitionError:
             return
         if await self.store.replace(done, record.status):
@@ -266,8 +278,11 @@ class Runner:
             self._items.pop(record.id, None)
             log.info("batch ended", extra={"batch_id": record.id, "status": end, **final.to_json()})
 
-    async def _write_files(self, record: BatchRecord, step: str) -> tuple[str | None, str | None, Counts]:
-        results = await self.store.results(record.id)
+    async def _write_files(self, record: BatchRecord, step: str) -> tuple[str | None, str | None, Counts, Usage]:
+        """The output and error files' ids, and the final counts and usage: those of the
+        results the files hold (the store reads results and usage at one instant, so an item
+        answered after this read is in neither)."""
+        results, usage = await self.store.results(record.id)
         items = await self._items_of(record.id) or ()
         outputs: list[bytes] = []
         errors: list[bytes] = []
@@ -290,7 +305,7 @@ class Runner:
             data = b"\n".join(errors) + b"\n"
             stored = await self.files.put_bytes(record.tenant, f"{record.id}_error.jsonl", "batch_output", data, now)
             error_id = stored.id
-        return output_id, error_id, final
+        return output_id, error_id, final, usage
 
 
 def _parse_items(data: bytes) -> tuple[Item, ...]:

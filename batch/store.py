@@ -3,10 +3,10 @@
 A batch's items are numbered 0..total-1 (the order of its input's lines). A pod takes an
 item with ``claim``: the store hands out the next item of the oldest open batch (an item
 given back first) under a lease that expires unless ``renew``\\ed. ``complete`` writes an
-item's result once (a second write of the same item is refused, so no item completes
-twice), ``release`` hands an item back untouched (admission said "later"), ``reap`` puts the
-items of expired leases (a pod that died) back in their queue. Implementations: memory
-(one process) and Redis (every pod).
+item's result once, and counts it and its tokens in the same step (a second write of the
+same item is refused, so no item completes or counts twice), ``release`` hands an item
+back untouched (admission said "later"), ``reap`` puts the items of expired leases (a pod
+that died) back in their queue. Implementations: memory (one process) and Redis (every pod).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from batch.model import BatchRecord, Counts
+from batch.model import BatchRecord, Progress
+from batch.usage import ZERO, Usage
 
 
 class BatchStoreUnavailable(Exception):
@@ -64,16 +65,19 @@ class BatchStore(Protocol):
 
     async def release(self, token: str, claim: Claim) -> None: ...
 
-    async def complete(self, token: str, claim: Claim, ok: bool, line: bytes) -> bool:
-        """Write the item's result unless it has one; count it. True if this call wrote it."""
+    async def complete(self, token: str, claim: Claim, ok: bool, line: bytes, usage: Usage = ZERO) -> bool:
+        """Write the item's result unless it has one; count it and add ``usage`` to the
+        batch's, in one atomic step. True if this call wrote it."""
 
     async def reap(self) -> int:
         """Requeue the items of expired leases; how many."""
 
-    async def progress(self, batch_id: str) -> tuple[Counts, int]:
-        """The live counts (total, completed, failed) and the items under lease."""
+    async def progress(self, batch_id: str) -> Progress:
+        """The live counts (total, completed, failed), the items under lease, the usage so far."""
 
-    async def results(self, batch_id: str) -> dict[int, tuple[bool, bytes]]: ...
+    async def results(self, batch_id: str) -> tuple[dict[int, tuple[bool, bytes]], Usage]:
+        """Every result written (item -> 2xx or not, its output line) and the usage they
+        added, read at one instant."""
 
     async def lock(self, batch_id: str, token: str, ttl_s: float) -> bool:
         """One pod finishes a batch (writes its files); the lock lapses if that pod dies."""

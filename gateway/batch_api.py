@@ -221,6 +221,7 @@ class BatchApi:
             created_at=now,
             expires_at=now + seconds,
             metadata=metadata,
+            model=checked.model,
         )
         if checked.errors:
             record = record.moved("failed", now, errors=checked.errors)
@@ -261,11 +262,10 @@ class BatchApi:
         return web.json_response(await self._shown(record))
 
     async def _shown(self, record: BatchRecord) -> dict[str, Any]:
-        """The batch object, with live counts while it runs."""
+        """The batch object, with live counts and usage while it runs."""
         if record.status in TERMINAL:
             return record.to_openai()
-        counts, _ = await self.store.progress(record.id)
-        return record.to_openai(counts)
+        return record.to_openai(await self.store.progress(record.id))
 
     async def _batch(self, tenant: str, batch_id: str) -> BatchRecord:
         record = await self.store.get(tenant, batch_id)

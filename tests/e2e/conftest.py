@@ -411,8 +411,11 @@ def tiny_model(vllm_python: Path) -> Path:
 @pytest.fixture(scope="module")
 def vllm_fleet(tiny_model: Path) -> Iterator[E2EGateway]:
     """One gateway with two vLLM replicas (cores 0 and 1), both healthy; SIGTERM at the end."""
+    directory = run_dir("fleet")
     config = gateway_config([vllm_replica(tiny_model, core=0), vllm_replica(tiny_model, core=1)])
-    e2e, elapsed = start_gateway(config, run_dir("fleet"), FLEET_START_TIMEOUT_S, every=True)
+    # Batch files beside the gateway's logs, not in the checkout's data/ (the default).
+    config["batch"] = {"files_dir": str(directory / "batch")}
+    e2e, elapsed = start_gateway(config, directory, FLEET_START_TIMEOUT_S, every=True)
     record_timing("fleet start: two vLLM replicas healthy", elapsed)
     for rid in sorted(e2e.fleet_sync()):
         started, healthy = e2e.logged_at("replica started", rid), e2e.logged_at("replica healthy", rid)

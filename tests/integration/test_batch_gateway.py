@@ -86,6 +86,16 @@ def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]
     return [orjson.loads(line) for line in client.files.content(file_id).content.splitlines() if line]
 
 
+def assert_usage_is_the_outputs(batch: Any, outputs: list[dict[str, Any]]) -> None:
+    answered = [o["response"]["body"]["usage"] for o in outputs]
+    assert batch.usage is not None
+    assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in answered) > 0
+    assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in answered) > 0
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+    assert batch.usage.input_tokens_details.cached_tokens == 0
+    assert batch.usage.output_tokens_details.reasoning_tokens == 0
+
+
 def assert_other_traffic_works(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert reply.choices[0].message.content
@@ -130,6 +140,9 @@ def test_upload_create_poll_download(client: openai.OpenAI) -> None:
     assert [e["custom_id"] for e in errors] == ["bad-model"]
     assert errors[0]["response"]["status_code"] == 404
     assert errors[0]["response"]["body"]["error"]["code"] == "model_not_found"
+    # The batch is named for its first item's model; its usage is its answered items'.
+    assert done.model == MODEL
+    assert_usage_is_the_outputs(done, outputs)
 
     listed = client.batches.list(limit=100)
     assert done.id in [b.id for b in listed.data]
@@ -162,6 +175,11 @@ def test_cancel(client: openai.OpenAI) -> None:
         input_file_id=upload(client, jsonl(items)), endpoint="/v1/chat/completions", completion_window="24h"
     )
     time.sleep(1.5)
+    running = client.batches.retrieve(batch.id)
+    assert running.status == "in_progress" and running.usage is not None
+    assert running.request_counts is not None
+    # Live: 200 completion tokens per item answered so far (ignore_eos), counted as they end.
+    assert running.usage.output_tokens == 200 * running.request_counts.completed
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = wait_for(client, batch.id, {"cancelled"})
@@ -175,6 +193,7 @@ def test_cancel(client: openai.OpenAI) -> None:
     assert 0 < len(outputs) < 40
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     assert {o["custom_id"] for o in outputs}.isdisjoint(e["custom_id"] for e in errors)
+    assert_usage_is_the_outputs(done, outputs)
 
 
 def test_completion_window_expires(client: openai.OpenAI) -> None:

@@ -1,17 +1,20 @@
 """The batch stores' contract, the same for memory and a real redis-server: claims in order,
-a result written once, items handed back, expired leases reaped, closed batches skipped."""
+a result written once (and its tokens counted once), items handed back, expired leases
+reaped, closed batches skipped."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import orjson
 import pytest
 
 from batch.memory_store import MemoryBatchStore
-from batch.model import BatchRecord, Counts
+from batch.model import BatchRecord, Counts, Progress
 from batch.redis_store import RedisBatchStore
 from batch.store import BatchStore, Claim
+from batch.usage import ZERO, Usage
 from redisconn.factory import ClientOptions, connect
 from tests.integration.redis_server import RedisServer
 
@@ -62,13 +65,14 @@ async def test_claims_take_items_in_order_and_results_are_written_once(store: tu
     second = await s.claim("pod2", 60)
     assert (first, second) == (Claim("batch_a", 0), Claim("batch_a", 1))
     assert await s.claim("pod1", 60) is None
-    assert await s.progress("batch_a") == (Counts(2, 0, 0), 2)
-    assert await s.complete("pod1", first, True, b'{"ok": 0}') is True
+    assert await s.progress("batch_a") == Progress(Counts(2, 0, 0), 2, ZERO)
+    assert await s.complete("pod1", first, True, b'{"ok": 0}', Usage(12, 5, 8, 1)) is True
     # A second write of the same item (a run that raced a requeue) is refused and not counted.
-    assert await s.complete("pod2", first, True, b'{"ok": "again"}') is False
+    assert await s.complete("pod2", first, True, b'{"ok": "again"}', Usage(12, 6)) is False
     assert await s.complete("pod2", second, False, b'{"bad": 1}') is True
-    assert await s.progress("batch_a") == (Counts(2, 1, 1), 0)
-    assert await s.results("batch_a") == {0: (True, b'{"ok": 0}'), 1: (False, b'{"bad": 1}')}
+    assert await s.progress("batch_a") == Progress(Counts(2, 1, 1), 0, Usage(12, 5, 8, 1))
+    results = {0: (True, b'{"ok": 0}'), 1: (False, b'{"bad": 1}')}
+    assert await s.results("batch_a") == (results, Usage(12, 5, 8, 1))
 
 
 async def test_a_released_item_comes_back(store: tuple[BatchStore, Expire]) -> None:
@@ -89,15 +93,16 @@ async def test_expired_leases_are_reaped_and_taken_again(store: tuple[BatchStore
     dead = await s.claim("dead-pod", LEASE_S)
     alive = await s.claim("pod", LEASE_S)
     assert dead is not None and alive is not None
-    await s.complete("pod", alive, True, b"x")
+    await s.complete("pod", alive, True, b"x", Usage(3, 1))
     await expire()
     assert await s.reap() == 1
-    assert await s.progress("batch_a") == (Counts(2, 1, 0), 0)
+    assert await s.progress("batch_a") == Progress(Counts(2, 1, 0), 0, Usage(3, 1))
     assert await s.claim("pod", 60) == dead
-    # The dead pod was only slow: its late result is still the one written, once.
-    assert await s.complete("dead-pod", dead, True, b"late") is True
-    assert await s.complete("pod", dead, True, b"second") is False
-    assert await s.progress("batch_a") == (Counts(2, 2, 0), 0)
+    # The dead pod was only slow: its late result is still the one written, once, and its
+    # tokens are counted once although the item ran twice.
+    assert await s.complete("dead-pod", dead, True, b"late", Usage(4, 2)) is True
+    assert await s.complete("pod", dead, True, b"second", Usage(4, 2)) is False
+    assert await s.progress("batch_a") == Progress(Counts(2, 2, 0), 0, Usage(3 + 4, 1 + 2))
 
 
 async def test_renewed_leases_are_not_reaped(store: tuple[BatchStore, Expire]) -> None:
@@ -160,3 +165,62 @@ async def test_one_pod_holds_the_finishing_lock(store: tuple[BatchStore, Expire]
     await s.create(running("batch_a", 1))
     await s.forget("batch_a")
     assert await s.active() == [] and await s.claim("pod", 60) is None
+
+
+async def test_usage_is_counted_once_per_item_under_concurrent_duplicates(store: tuple[BatchStore, Expire]) -> None:
+    """Every item completed by three pods at once (a lease that lapsed twice): one result,
+    one count, one item's tokens each."""
+    s, _ = store
+    await s.create(running("batch_a", 10))
+    claims = [await s.claim("pod1", 60) for _ in range(10)]
+    writes = [
+        s.complete(pod, claim, True, f"{pod}-{claim.index}".encode(), Usage(10 + claim.index, 2, 1, 0))
+        for claim in claims
+        if claim is not None
+        for pod in ("pod1", "pod2", "pod3")
+    ]
+    written = await asyncio.gather(*writes)
+    assert sum(written) == 10
+    expected = Usage(sum(10 + i for i in range(10)), 2 * 10, 1 * 10, 0)
+    progress = await s.progress("batch_a")
+    assert progress.counts == Counts(10, 10, 0) and progress.usage == expected
+    results, usage = await s.results("batch_a")
+    assert len(results) == 10 and usage == expected
+
+
+async def test_an_ended_batchs_usage_is_its_records(store: tuple[BatchStore, Expire]) -> None:
+    s, _ = store
+    record = running("batch_a", 1)
+    await s.create(record)
+    claim = await s.claim("pod", 60)
+    assert claim is not None
+    await s.complete("pod", claim, True, b"x", Usage(3, 1))
+    done = record.moved("finalizing", 101).moved("completed", 102, counts=Counts(1, 1, 0), usage=Usage(3, 1))
+    assert await s.replace(done, "in_progress")
+    await s.forget("batch_a")
+    assert await s.progress("batch_a") == Progress(Counts(1, 1, 0), 0, Usage(3, 1))
+    assert (await s.get("t1", "batch_a")) == done
+    assert await s.results("batch_a") == ({}, ZERO)
+
+
+async def test_a_batch_kept_before_usage_was_counted_still_runs(redis_server: RedisServer) -> None:
+    """A rolling upgrade: a record and a queue written by the version before ``model`` and
+    ``usage`` load and run; the batch shows no usage (its first items were not counted)."""
+    client = connect(redis_server.url, ClientOptions(socket_timeout_s=2, connect_timeout_s=2))
+    async with RedisBatchStore(client, timeout_s=2, prefix="fg:batch:{old}:") as s:
+        record = running("batch_old", 2)
+        old_json = {k: v for k, v in orjson.loads(record.to_bytes()).items() if k not in ("model", "usage")}
+        await client.set("fg:batch:{old}:rec:batch_old", orjson.dumps(old_json))
+        await client.zadd("fg:batch:{old}:active", {"batch_old": 1})
+        # The old queue hash, one item already answered by an old pod (no usage fields).
+        old_queue = {"total": 2, "next": 1, "open": 1, "completed": 1, "failed": 0, "leased": 0}
+        await client.hset("fg:batch:{old}:q:batch_old", mapping=old_queue)
+        await client.hset("fg:batch:{old}:res:batch_old", "0", b"1" + b'{"old": 0}')
+        kept = await s.get_any("batch_old")
+        assert kept is not None and kept.model is None and kept.usage is None
+        assert await s.progress("batch_old") == Progress(Counts(2, 1, 0), 0, ZERO)
+        claim = await s.claim("pod", 60)
+        assert claim == Claim("batch_old", 1)
+        assert await s.complete("pod", claim, True, b'{"new": 1}', Usage(5, 2))
+        assert (await s.progress("batch_old")).usage == Usage(5, 2)
+        assert kept.to_openai(await s.progress("batch_old"))["usage"] is None

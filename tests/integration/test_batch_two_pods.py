@@ -140,6 +140,11 @@ def test_a_pod_killed_mid_batch_loses_and_duplicates_nothing(redis_server: Redis
     )
     assert len(twice) <= CONCURRENCY
     assert max(recorder.answered.values()) <= 2
+    # Usage is counted with each result, once: an item answered twice upstream adds its
+    # tokens once (3 prompt and 1 completion token per answer).
+    assert done.model == MODEL and done.usage is not None
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (3 * ITEMS, 1 * ITEMS)
+    assert done.usage.total_tokens == 4 * ITEMS
 
 
 def _item_lines(gw: GatewayProcess, batch_id: str) -> int:

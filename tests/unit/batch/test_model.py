@@ -14,6 +14,7 @@ from batch.model import (
     BatchRecord,
     Counts,
     LineError,
+    Progress,
     TransitionError,
     error_line,
     item_body,
@@ -21,6 +22,7 @@ from batch.model import (
     output_line,
     validate,
 )
+from batch.usage import Usage
 
 CHAT = "/v1/chat/completions"
 
@@ -41,6 +43,13 @@ def test_valid_lines_become_items_at_their_offsets() -> None:
     assert [i.custom_id for i in checked.items] == ["a", "b"]
     for item in checked.items:
         assert orjson.loads(data[item.offset : item.offset + item.length])["custom_id"] == item.custom_id
+
+
+def test_the_batch_is_named_for_its_first_items_model() -> None:
+    first = line("a", body={"model": "first", "messages": []})
+    assert validate(jsonl(first, line("b")), CHAT, 10).model == "first"
+    assert validate(jsonl(line("a", body={"messages": []})), CHAT, 10).model is None
+    assert validate(jsonl(line("a"), line("a")), CHAT, 10).model is None  # failed: no items
 
 
 def test_a_last_line_without_newline_counts() -> None:
@@ -126,16 +135,47 @@ def test_the_batch_object_is_openais() -> None:
     assert parsed.status == "failed" and parsed.failed_at == 100
     assert parsed.errors is not None and parsed.errors.data is not None
     assert (parsed.errors.data[0].line, parsed.errors.data[0].code) == (4, "invalid_url")
-    running = record().moved("in_progress", 101, counts=Counts(total=5))
-    live = openai.types.Batch.model_validate(running.to_openai(Counts(5, 2, 1)))
+    assert parsed.model is None and parsed.usage is not None and parsed.usage.total_tokens == 0
+    running = record(model="tiny").moved("in_progress", 101, counts=Counts(total=5))
+    live = openai.types.Batch.model_validate(running.to_openai(Progress(Counts(5, 2, 1), 1, Usage(30, 8, 16, 2))))
     assert live.request_counts is not None
     assert (live.request_counts.total, live.request_counts.completed, live.request_counts.failed) == (5, 2, 1)
     assert live.errors is None and live.in_progress_at == 101 and live.completed_at is None
+    assert live.model == "tiny" and live.usage is not None
+    assert (live.usage.input_tokens, live.usage.output_tokens, live.usage.total_tokens) == (30, 8, 30 + 8)
+    assert live.usage.input_tokens_details.cached_tokens == 16
+    assert live.usage.output_tokens_details.reasoning_tokens == 2
+
+
+def test_an_ended_batch_shows_its_own_usage_not_the_stores() -> None:
+    done = record(status="completed", counts=Counts(2, 2, 0), usage=Usage(10, 4))
+    shown = done.to_openai(Progress(Counts(2, 0, 0), 0, Usage(99, 99)))
+    assert shown["usage"]["total_tokens"] == 14 and shown["request_counts"]["completed"] == 2
 
 
 def test_a_record_survives_its_bytes() -> None:
     kept = record(metadata={"k": "v"}).moved("failed", 3, errors=(LineError("empty_file", "empty"),))
     assert BatchRecord.from_bytes(kept.to_bytes()) == kept
+    counted = record(model="tiny", usage=Usage(7, 3, 2, 1))
+    assert BatchRecord.from_bytes(counted.to_bytes()) == counted
+    uncounted = record(usage=None)
+    assert BatchRecord.from_bytes(uncounted.to_bytes()) == uncounted
+
+
+def test_a_record_kept_before_model_and_usage_loads_without_them() -> None:
+    kept = orjson.loads(record(status="in_progress", model="tiny").to_bytes())
+    old = {k: v for k, v in kept.items() if k not in ("model", "usage")}
+    loaded = BatchRecord.from_bytes(orjson.dumps(old))
+    assert loaded.model is None and loaded.usage is None
+    # Its items were not all counted: no usage is shown, live or final.
+    shown = loaded.to_openai(Progress(Counts(3, 1, 0), 0, Usage(5, 5)))
+    assert shown["usage"] is None and shown["model"] is None
+    assert openai.types.Batch.model_validate(shown).usage is None
+
+
+def test_a_record_from_a_later_version_loads() -> None:
+    later = {**orjson.loads(record().to_bytes()), "priority": "low"}
+    assert BatchRecord.from_bytes(orjson.dumps(later)) == record()
 
 
 def test_output_and_error_lines() -> None:
@@ -151,3 +191,13 @@ def test_completion_windows() -> None:
     assert window_seconds("24 hours") is None and window_seconds("0h") is None
     with pytest.raises(ValueError, match="completion window"):
         BatchSettings(completion_windows=["soon"])
+
+
+def test_an_older_batch_rewritten_by_this_version_stays_readable_by_the_older_one() -> None:
+    """A pod of the version before ``model`` and ``usage`` built a record from every key it
+    read; a batch it created must not gain keys it does not know when this version moves it."""
+    old_keys = {"id", "tenant", "endpoint", "input_file_id", "completion_window", "created_at", "expires_at"}
+    old_keys |= {"status", "metadata", "errors", "output_file_id", "error_file_id", "counts", "times"}
+    older = record(status="in_progress", usage=None)
+    assert set(orjson.loads(older.moved("cancelling", 120).to_bytes())) == old_keys
+    assert set(orjson.loads(record(model="tiny").to_bytes())) == old_keys | {"model", "usage"}
