@@ -364,12 +364,14 @@ class PrefixAffinity:
             return Decision(self._least_busy(candidates), "new_prefix")
         session = request.session or request.conversation or anchor
         history = self._history if len(homes) > 1 else None
-        # Where the replicas' KV events say exactly how much of the conversation's own turns
+        # Where the replicas' KV events say exactly how much of a conversation's own turns
         # each one holds, one that holds more than every home (a spill took it there) ranks
-        # with the homes, above them: its next turn stays with its history.
+        # with the homes, above them: its next turn stays with its history. Not for a first
+        # turn, which has no history: its prefix stays home, or it would drift to wherever a
+        # spill left a copy that the home has since evicted, and be cached twice.
         held: dict[str, int] = {}
         at_home = 0
-        if request.exact is not None:
+        if request.exact is not None and not request.opens:
             held = {r.id: self._history(request, r) for r in candidates}
             at_home = max((held[r.id] for r in candidates if r.base_url in homes), default=0)
 

@@ -530,7 +530,7 @@ def test_with_kv_events_a_spilled_conversation_stays_with_its_history_and_an_est
     policy = affinity(LoadBound(factor=1.25, margin_requests=2))
     first = home(rs, req(SYSTEM_A))
     spilled = next(r for r in rs if r is not first)
-    turn = req(SYSTEM_A, "and then?")
+    turn = dataclasses.replace(req(SYSTEM_A, "and then?"), opens=False)  # a later turn
 
     # The events say the spill target holds more of the conversation than home does: it stays.
     def held(**tokens: int) -> RouteRequest:
@@ -545,6 +545,7 @@ def test_with_kv_events_a_spilled_conversation_stays_with_its_history_and_an_est
     # Past the load bound, it spills on as before.
     spilled.outstanding_requests = 9
     assert policy.pick(rs, exact, 0.0).replica is not spilled
-    # Without events (the estimate), the spill leaves no trace: home.
+    # Without events (the estimate), the spill leaves no trace: home; nor does a first turn follow a copy.
     spilled.outstanding_requests = 0
     assert policy.pick(rs, turn, 0.0).replica is first
+    assert policy.pick(rs, dataclasses.replace(exact, opens=True), 0.0).replica is first
