@@ -76,3 +76,37 @@ def test_affinity_settings_reach_the_gateway_rows_config_beside_the_policy() -> 
 def test_an_unknown_or_invalid_affinity_setting_is_refused(setting: str) -> None:
     with pytest.raises(ValueError):
         affinity_settings([setting])
+
+
+def test_the_events_rows_are_judged_against_the_estimate_the_hash_and_the_ideal() -> None:
+    from bench.routing_vllm import events_verdicts
+
+    rows = [
+        _row("client_hash", 1, 80, hit=0.88),
+        _row("prefix_affinity", 1, 80, hit=0.86),
+        _row("infinite_cache", 1, 80, hit=0.89),
+        _row("events", 1, 80, hit=0.875),
+        dataclasses.replace(
+            _row("events x2", 1, 80, hit=0.873), per_pod={"pod0": 0.87, "pod1": 0.88}, moved=3, split=1
+        ),
+    ]
+    judged = {(bar, asks): passed for bar, asks, _, passed in events_verdicts(rows)}
+    assert judged[("set 1: events hit rate", ">= prefix_affinity's")]
+    assert not judged[("set 1: events hit rate", ">= client_hash's")]
+    assert judged[("set 1: events hit rate", ">= infinite_cache's - 0.02")]
+    assert judged[("set 1: events x2 against one pod", "hit rates within 0.005")]
+    assert not judged[
+        ("set 1: events x2 pod against pod", "hit rates within 0.005 (cached prompt tokens, vLLM's usage)")
+    ]
+    assert not judged[("set 1: events x2 split conversations", "0 (turns back on a replica they had left)")]
+
+
+def test_a_conversation_that_goes_back_to_a_replica_it_left_is_split() -> None:
+    from bench.routing_vllm import Answer, Played
+
+    played = Played()
+    for conversation, replicas in enumerate((["a", "a", "a"], ["a", "b", "b"], ["a", "b", "a"])):
+        for where in replicas:
+            played.served("http://gateway", Answer(0.1, "", where, 100, 90), conversation)
+    assert played.moved_and_split() == (2, 1)
+    assert played.tokens["http://gateway"] == [900, 810]
