@@ -108,6 +108,16 @@ EXTRA_ROWS = (EVENTS_ROW, f"{EVENTS_ROW} x2", IDEAL_ROW)
 # The infinite-cache replica's KV: 4,096 blocks of 128 tokens, more than any workload here
 # sends in all (the tiny model's 512 bytes a token: 256 MiB).
 IDEAL_BLOCKS = 4096
+EXTRA_ROWS_METHOD = (
+    "`events` (`x2`): `prefix_affinity` gateways given the model's tokenizer and each replica's KV-event "
+    "endpoints (`kv_events`, `kv_events_replay`; the replicas launched publishing), each pod waiting until its "
+    "index is exact for every replica before the row (a one-token request per replica after the reset publishes "
+    "the reset's clear). `infinite_cache`: every request to one more vLLM replica with "
+    f"{IDEAL_BLOCKS:,} blocks, idle until its row. **Per gateway pod**: the cached prompt tokens over the prompt "
+    "tokens of the answers the pod returned (vLLM's usage, `--enable-prompt-tokens-details`). **Moved (split)**: "
+    "conversations whose turns went to more than one replica (of those, the ones that went back to a replica "
+    "they had left)."
+)
 DEFAULT_ROW = "prefix_affinity"
 REFERENCE_ROW = "client_hash"
 # vLLM's CPU backend allocates KV in blocks of 128 tokens; the simulator is given the same.
@@ -1290,7 +1300,7 @@ def detail_table(run: dict[str, Any]) -> list[str]:
 def report(runs: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     config = runs[0]["config"]
     out = [
-        "# Routing on real vLLM under KV pressure",
+        "# Routing on real vLLM" + (" under KV pressure" if config.get("kv_blocks") is None else ""),
         "",
         f"`{meta['command']}` ({meta['minutes']:.1f} min, {meta['started']}, commit `{meta['commit']}`, "
         f"CPU: {meta['cpu']}).",
@@ -1325,7 +1335,11 @@ def report(runs: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
         + f"Simulator: profile `{SIM_PROFILE}` with the same block size. Each run "
         "sizes the KV cache with `--num-gpu-blocks-override` to "
-        f"{config['kv_share']:.0%} of the working set (the largest prompt set's): "
+        + (
+            f"{config['kv_share']:.0%} of the working set (the largest prompt set's): "
+            if config.get("kv_blocks") is None
+            else f"`--kv-blocks {config['kv_blocks']}` (the working set is {runs[0]['working_set_tokens']:,} tokens): "
+        )
         + "; ".join(
             f"{r['engine']} {r['blocks_per_replica']} blocks of {BLOCK_SIZE} tokens "
             f"(scraped `vllm:cache_config_info`: {r['kv_capacity_tokens_scraped']})"
@@ -1345,7 +1359,7 @@ def report(runs: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "weighs on both sides of the TTFT ratio. Gateway rows: `fleetgate serve` processes with the replicas as "
         "`url:` sources and default settings but `routing.policy`; `x2` is two gateway processes, request n to "
         "pod n mod 2. "
-        "`client_hash`: straight to the replica an MD5 of the system prompt picks.",
+        "`client_hash`: straight to the replica an MD5 of the system prompt picks. " + EXTRA_ROWS_METHOD,
         "- **Hit rate**: the replicas' own `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` (tokens), "
         "deltas over the row, and over each quarter of its requests (read as the 1st, 2nd and 3rd quarter complete). "
         "The first quarter holds every prompt's first, cold request. **TTFT**: client-side, to the first streamed "
@@ -1429,7 +1443,8 @@ def multiturn_section(runs: Sequence[dict[str, Any]], level: str = "##") -> list
         "Gateway rows: `fleetgate serve` processes with the replicas as `url:` sources and default settings but "
         "`routing.policy`"
         + "".join(f", `routing.affinity.{k}: {v}`" for k, v in config.get("affinity") or ())
-        + "; `x2` alternates requests between two gateway processes.",
+        + "; `x2` alternates requests between two gateway processes. "
+        + EXTRA_ROWS_METHOD,
         f"- **Split**: each replica's own `{REQUESTS_METRIC}` over the row (the simulator has no such counter: "
         "there, what the client saw, marked `(client)`). **Hit rate**: the replicas' own prefix-cache hits over "
         "queries (tokens), over the row and each quarter of its requests. **TTFT**: client-side, to the first "
