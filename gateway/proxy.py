@@ -617,12 +617,18 @@ class Proxy:
                     request,
                     self._open_continuation(ex, replica, plan.path, body),
                     self.settings.keepalive_interval_s,
+                    discard=_close_opened,
                 )
             except UpstreamFailure as failure:
                 claim.release()
                 self._failed(replica, failure)
                 exclude.add(replica.id)
                 continue
+            except BaseException:
+                # The client left while the continuation opened: nothing holds the claim
+                # (the leg still has the replica it left), so it is handed back here.
+                claim.release()
+                raise
             log.log(
                 logging.DEBUG if preempted else logging.INFO,
                 "stream continued on another replica",
@@ -764,6 +770,11 @@ class Proxy:
         moved = sum(self._move(leg) for leg in list(self._legs.get(replica.id, ())))
         if moved:
             log.info("streams moved off a drained replica", extra={"replica": replica.id, "streams": moved})
+
+
+def _close_opened(opened: tuple[UpstreamResponse, bytes]) -> None:
+    """A continuation's stream opened after its client left: nothing will read it."""
+    opened[0].close()
 
 
 def _preemptions(ex: Exchange) -> int:

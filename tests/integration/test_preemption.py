@@ -214,3 +214,27 @@ async def test_a_stream_stays_once_moved_its_bands_bound_or_with_nowhere_to_go(t
             lines = access_lines(access)
     assert len(words) == BATCH_TOKENS
     assert not any("continued" in x for x in lines), lines
+
+
+async def test_a_client_that_leaves_while_its_stream_moves_leaves_no_load_behind(tmp_path: Path) -> None:
+    """The preempted stream's continuation is still opening (the replica that takes it
+    answers after 3 s) when its client leaves: the claim on that replica is handed back."""
+    async with (
+        sim_upstream(MODEL, tokens_per_s=40) as a,
+        sim_upstream(MODEL, ttft_ms=3000, tokens_per_s=40) as b,
+        in_process_gateway(config(a, b), tmp_path) as (url, gw, _access),
+        aiohttp.ClientSession() as http,
+    ):
+        replicas = {r.id: r for r in gw.router.pools[MODEL].replicas}
+        batch = Stream(http, url, CHAT_KEY, body("a batch item", BATCH_TOKENS), "batch")
+        assert await batch.started() == "m-0"
+        filler = Stream(http, url, CHAT_KEY, body("filler", 2), None)  # round robin: m-1 next
+        assert await filler.started() == "m-1"
+        whole(await filler.events())
+        asked = Stream(http, url, CHAT_KEY, body("a question", 8), None)
+        assert await asked.started() == "m-0"
+        await until(lambda: replicas["m-1"].outstanding_requests == 1)  # the continuation, opening
+        batch.task.cancel()
+        whole(await asked.events())
+        await until(lambda: all(r.outstanding_requests == 0 and r.streams == 0 for r in replicas.values()))
+        assert all(r.preempting == 0 and r.outstanding_tokens == 0 for r in replicas.values())
