@@ -424,10 +424,17 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, took_s: floa
         f"(~{args.interactive_words} words in, {args.interactive_tokens} tokens out, `ignore_eos`) and measures "
         "TTFT at its first chunk with a choice. The batch flood keeps "
         f"{args.batch_outstanding} {flood} (~{args.batch_words} words in, "
-        f"{args.batch_tokens} tokens out) with `x-fleetgate-band: batch-NN`, as the Batch API's items are "
-        "sent; its throughput is completion tokens per second of requests that finished inside the phase, "
-        "and its share is against the same band's flood alone. The control row sends the same flood without "
-        "the header (the interactive band: every request before bands). Each phase lasts "
+        f"{args.batch_tokens} tokens out) with `x-fleetgate-band: batch-NN`"
+        + (", streamed so that it can be preempted" if args.preempt else ", as the Batch API's items are sent")
+        + "; its throughput is completion tokens per second of requests that finished inside the phase, "
+        "and its share is against the same band's flood alone. "
+        + (
+            ""
+            if args.no_control
+            else "The control row sends the same flood without the header (the interactive band: every request "
+            "before bands). "
+        )
+        + "Each phase lasts "
         f"{args.duration:g} s, after a 5 s warm-up; every prompt is random, so the prefix cache plays no part. "
         'The gateway, the client and the replicas share the machine\'s two cores. "gateway queued" is the '
         "interactive requests' wait in the gateway's queue, from its access log.",
