@@ -21,8 +21,18 @@ their band's index as ``priority``), one gateway, phases of ``--duration`` secon
 - ``interactive + unbanded flood`` (the control): the same flood sent without the band
   header, i.e. in the interactive band, as every request was before bands.
 
+With ``--preempt`` (written to bench/results/bands-preempt.md) the flood is streamed and
+each share has a second band, ``batch-NN-p``, the same but ``preemptible: true``: an
+interactive request sent to a replica moves that band's streams running there to the other
+replica (``routing.preemption``), so the two bands' rows compare preemption with a streamed
+flood that is not preempted, in the same run. A streamed batch request counts when it ends
+whole (``[DONE]``, no error event, its usage's ``completion_tokens`` what it asked for);
+any other end is a batch error. ``preempted`` is how many batch streams the gateway moved in
+the phase (``fleetgate_stream_continuations_total{reason="preempted"}``).
+
     FLEETGATE_VLLM_VENV=/work/main/.venv-vllm flock /tmp/vllm.lock .venv/bin/python bench/bands.py
     ... bench/bands.py --duration 20 --policies priority --no-write     # a quick look
+    ... bench/bands.py --preempt --policies fcfs --shares 1,0.5 --duration 30 --no-control
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from replicas.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "bands.md"
+RESULTS_PREEMPT = ROOT / "bench" / "results" / "bands-preempt.md"
 MODEL = "tiny"
 CHAT_KEY = "sk-bands-bench-chat"
 BULK_KEY = "sk-bands-bench-bulk"
@@ -65,8 +76,13 @@ ALONE = "interactive alone"
 CONTROL = "interactive + unbanded flood"
 
 
-def band_name(share: float) -> str:
-    return f"batch-{round(share * 100)}"
+def band_name(share: float, preemptible: bool = False) -> str:
+    return f"batch-{round(share * 100)}" + ("-p" if preemptible else "")
+
+
+def batch_bands(args: argparse.Namespace) -> list[str]:
+    """The batch bands measured: one per share, and its preemptible twin with ``--preempt``."""
+    return [band_name(s, p) for s in args.share_list for p in ((False, True) if args.preempt else (False,))]
 
 
 @dataclass
@@ -82,6 +98,8 @@ class Phase:
     batch_tokens: int = 0
     batch_refused: int = 0
     batch_errors: int = 0
+    # Batch streams the gateway moved off a replica for interactive work during the phase.
+    preempted: int = 0
     seconds: float = 0.0
     # From the gateway's access log: the interactive requests' wait in its queue (0 when
     # they went straight on) and the TTFT it saw from the replica.
@@ -118,7 +136,11 @@ def gateway_config(port: int, model_dir: Path, args: argparse.Namespace, policy:
             **({"scheduling_policy": "priority"} if policy == "priority" else {}),
         }
 
-    batches = [{"name": band_name(s), "max_wait_s": 600, "capacity_share": s} for s in args.share_list]
+    batches = [
+        {"name": band_name(s, p), "max_wait_s": 600, "capacity_share": s, **({"preemptible": True} if p else {})}
+        for s in args.share_list
+        for p in ((False, True) if args.preempt else (False,))
+    ]
     return {
         "server": {"port": port, "shutdown_grace_s": 5.0},
         "models": [
@@ -201,6 +223,9 @@ async def batch_flood(
                 "max_tokens": args.batch_tokens,
                 "ignore_eos": True,
             }
+            if args.preempt:
+                await streamed_item(body)
+                continue
             try:
                 async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
                     raw = await resp.read()
@@ -217,6 +242,33 @@ async def batch_flood(
             if time.perf_counter() <= until:  # only what finished inside the window counts
                 phase.batch_done += 1
                 phase.batch_tokens += int(orjson.loads(raw)["usage"]["completion_tokens"])
+
+    async def streamed_item(body: dict[str, Any]) -> None:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        tokens = None
+        try:
+            async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+                if resp.status in (429, 503):
+                    await resp.read()
+                    phase.batch_refused += 1
+                    await asyncio.sleep(min(1.0, float(resp.headers.get("Retry-After", "1"))))
+                    return
+                if resp.status != 200:
+                    await resp.read()
+                    phase.batch_errors += 1
+                    return
+                async for chunk in stream_chunks(resp.content):
+                    if chunk.get("usage"):
+                        tokens = int(chunk["usage"]["completion_tokens"])
+        except (aiohttp.ClientError, StreamError, TimeoutError):
+            phase.batch_errors += 1
+            return
+        if tokens is None or tokens != args.batch_tokens:  # not whole: lost or cut somewhere
+            phase.batch_errors += 1
+            return
+        if time.perf_counter() <= until:  # only what finished inside the window counts
+            phase.batch_done += 1
+            phase.batch_tokens += tokens
 
     workers = [asyncio.create_task(worker(i)) for i in range(args.batch_outstanding)]
     await asyncio.sleep(max(0.0, until - time.perf_counter()))
@@ -242,8 +294,18 @@ def quantile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
+def preempted_total(metrics: str) -> int:
+    """Streams the gateway has preempted so far, all models (its continuations metric)."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("fleetgate_stream_continuations_total{") and 'reason="preempted"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
 async def run_phase(session: aiohttp.ClientSession, gw: Gateway, args: argparse.Namespace, phase: Phase) -> Phase:
     url = gw.url
+    before = preempted_total(await gw.metrics(session)) if args.preempt else 0
     wall = time.time()
     started = time.perf_counter()
     until = started + args.duration
@@ -256,6 +318,8 @@ async def run_phase(session: aiohttp.ClientSession, gw: Gateway, args: argparse.
     phase.seconds = args.duration
     await asyncio.sleep(0.3)  # the access log is flushed every 0.1 s
     gateway_view(gw.workdir / "access.log", wall, phase)
+    if args.preempt:
+        phase.preempted = preempted_total(await gw.metrics(session)) - before
     return phase
 
 
@@ -272,8 +336,7 @@ async def run_policy(model_dir: Path, args: argparse.Namespace, policy: str) -> 
             warm = Phase("warm-up")
             await batch_flood(session, gw.url, args, warm, time.perf_counter() + 5, band_name(args.share_list[0]))
             plan = [Phase(ALONE)]
-            for share in args.share_list:
-                band = band_name(share)
+            for band in batch_bands(args):
                 plan += [
                     Phase(f"{band} alone", band, interactive=False, flood=True),
                     Phase(f"interactive + {band}", band, flood=True),
@@ -297,7 +360,7 @@ def summary(p: Phase) -> str:
     return (
         f"{p.name}: ttft p50 {ms(p.ttft(0.5))} p95 {ms(p.ttft(0.95))} (n={len(p.ttfts)}, err {p.interactive_errors}); "
         f"batch {p.batch_done} done, {p.batch_tokens_per_s:.0f} tok/s, "
-        f"refused {p.batch_refused}, err {p.batch_errors}; "
+        f"refused {p.batch_refused}, err {p.batch_errors}, preempted {p.preempted}; "
         f"gateway: queued p50 {ms_or_dash(quantile(p.queued_ms, 0.5))} p95 {ms_or_dash(quantile(p.queued_ms, 0.95))}, "
         f"ttft p50 {ms_or_dash(quantile(p.gateway_ttft_ms, 0.5))}"
     )
@@ -314,12 +377,35 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, took_s: floa
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if a is None or not b else f"{a / b:.2f}x"
 
-    shares = ", ".join(f"{{name: {band_name(s)}, max_wait_s: 600, capacity_share: {s:g}}}" for s in args.share_list)
+    shares = ", ".join(
+        f"{{name: {band_name(s, p)}, max_wait_s: 600, capacity_share: {s:g}{', preemptible: true' if p else ''}}}"
+        for s in args.share_list
+        for p in ((False, True) if args.preempt else (False,))
+    )
+    flags = (" --preempt" if args.preempt else "") + (" --no-control" if args.no_control else "")
+    title = (
+        "# Preemption on real vLLM (CPU): interactive TTFT under a streamed batch-band flood"
+        if args.preempt
+        else "# Priority bands on real vLLM (CPU): interactive TTFT under a batch-band flood"
+    )
+    flood = (
+        "streamed requests outstanding (each counted when it ends whole: `[DONE]`, no error event, "
+        "all its tokens; any other end is a batch error)"
+        if args.preempt
+        else "non-streamed requests outstanding"
+    )
+    twins = (
+        "Each `batch-NN-p` band is its `batch-NN` twin with `preemptible: true`: an interactive request sent to "
+        "a replica moves that band's streams running there to the other replica, where each is continued "
+        "(`preempted`: streams moved during the phase). "
+        if args.preempt
+        else ""
+    )
     lines = [
-        "# Priority bands on real vLLM (CPU): interactive TTFT under a batch-band flood",
+        title,
         "",
         f"Command: `FLEETGATE_VLLM_VENV=/work/main/.venv-vllm flock /tmp/vllm.lock .venv/bin/python bench/bands.py "
-        f"--policies {args.policies} --shares {args.shares} --duration {args.duration:g} --rate {args.rate:g} "
+        f"--policies {args.policies} --shares {args.shares}{flags} --duration {args.duration:g} --rate {args.rate:g} "
         f"--batch-outstanding {args.batch_outstanding} --max-requests {args.max_requests} "
         f"--interactive-tokens {args.interactive_tokens} --batch-tokens {args.batch_tokens}` "
         f"({took_s / 60:.0f} min on {cpu_name()}, {os.cpu_count()} cores).",
@@ -333,21 +419,31 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, took_s: floa
         "`--scheduling-policy priority`, batch-band requests carrying their band's index as `priority`). "
         f"Bands: `[interactive, standard, {shares}]`: one batch band per capacity share, so one gateway "
         "measures them all. "
+        f"{twins}"
         f"The interactive client sends a streamed chat request every {1 / args.rate:g} s "
         f"(~{args.interactive_words} words in, {args.interactive_tokens} tokens out, `ignore_eos`) and measures "
         "TTFT at its first chunk with a choice. The batch flood keeps "
-        f"{args.batch_outstanding} non-streamed requests outstanding (~{args.batch_words} words in, "
-        f"{args.batch_tokens} tokens out) with `x-fleetgate-band: batch-NN`, as the Batch API's items are "
-        "sent; its throughput is completion tokens per second of requests that finished inside the phase, "
-        "and its share is against the same band's flood alone. The control row sends the same flood without "
-        "the header (the interactive band: every request before bands). Each phase lasts "
+        f"{args.batch_outstanding} {flood} (~{args.batch_words} words in, "
+        f"{args.batch_tokens} tokens out) with `x-fleetgate-band: batch-NN`"
+        + (", streamed so that it can be preempted" if args.preempt else ", as the Batch API's items are sent")
+        + "; its throughput is completion tokens per second of requests that finished inside the phase, "
+        "and its share is against the same band's flood alone. "
+        + (
+            ""
+            if args.no_control
+            else "The control row sends the same flood without the header (the interactive band: every request "
+            "before bands). "
+        )
+        + "Each phase lasts "
         f"{args.duration:g} s, after a 5 s warm-up; every prompt is random, so the prefix cache plays no part. "
         'The gateway, the client and the replicas share the machine\'s two cores. "gateway queued" is the '
         "interactive requests' wait in the gateway's queue, from its access log.",
         "",
         "| vLLM scheduling | phase | TTFT p50 ms | TTFT p95 ms | p50 / alone | p95 / alone | "
-        "interactive n (errors) | gateway queued p95 ms | batch tok/s | batch share of alone | batch refused |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "interactive n (errors) | gateway queued p95 ms | batch tok/s | batch share of alone | batch refused |"
+        + (" batch errors | preempted |" if args.preempt else ""),
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" ---: | ---: |" if args.preempt else ""),
     ]
     for r in results:
         phases: list[Phase] = r["phases"]
@@ -377,6 +473,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, took_s: floa
                 share,
                 str(p.batch_refused) if p.flood else "-",
             ]
+            if args.preempt:
+                cells += [str(p.batch_errors) if p.flood else "-", str(p.preempted) if p.flood else "-"]
             lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for r in results:
@@ -406,6 +504,11 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=128)
     parser.add_argument("--max-requests", type=int, default=8, help="per replica: vLLM's --max-num-seqs too")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--preempt",
+        action="store_true",
+        help="stream the flood, and measure each share's band again as preemptible (bench/results/bands-preempt.md)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print the report; do not write bench/results")
     args = parser.parse_args()
     args.share_list = [float(s) for s in args.shares.split(",")]
@@ -414,7 +517,7 @@ def main() -> None:
     text = report(results, args, time.monotonic() - started)
     print(text)
     if not args.no_write:
-        RESULTS.write_text(text)
+        (RESULTS_PREEMPT if args.preempt else RESULTS).write_text(text)
 
 
 if __name__ == "__main__":

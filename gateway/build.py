@@ -73,7 +73,13 @@ def redis_security(settings: Settings) -> RedisSecurity:
 
 
 def proxy(settings: Settings, metrics: GatewayMetrics, clock: Callable[[], float]) -> Proxy:
-    return Proxy(settings.upstream, metrics, clock, chunk_gaps=chunk_gaps(settings))
+    return Proxy(
+        settings.upstream,
+        metrics,
+        clock,
+        chunk_gaps=chunk_gaps(settings),
+        preemptions=Bands.from_settings(settings.bands).max_preemptions,
+    )
 
 
 def fleet(

@@ -62,7 +62,7 @@ Release = Callable[[BaseException | None], None]
 @dataclass(frozen=True, slots=True)
 class Continued:
     """One continuation of a stream: the replica that took it over, why the one before
-    stopped (a CUT_* reason, or "drain"), and how many tokens the client had by then."""
+    stopped (a CUT_* reason, "drain" or "preempted"), and how many tokens the client had by then."""
 
     replica: str
     reason: str

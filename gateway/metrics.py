@@ -171,9 +171,9 @@ class GatewayMetrics(MetricSet):
         )
         self.continuations = Counter(
             "fleetgate_stream_continuations",
-            "Streams whose replica failed or drained after the first byte, finished on another replica "
-            "(one count per continuation), by why the first one stopped: chunk_gap, replica_down, "
-            "stall_timeout, upstream_closed, drain.",
+            "Streams whose replica failed or drained after the first byte, or that gave way to a higher band's "
+            "work, finished on another replica (one count per continuation), by why the first one stopped: "
+            "chunk_gap, replica_down, stall_timeout, upstream_closed, drain, preempted.",
             ["model", "reason"],
             registry=r,
         )

@@ -29,6 +29,14 @@ bound for an engine hung for good behind a ``/health`` that still answers), or t
 client's deadline.
 Every cut is recorded with its reason (``CUT_*``): the access line's ``cut`` and
 ``fleetgate_stream_cuts_total``.
+
+Preemption (``routing.preemption``): a request of a band that preempts, sent to a replica,
+moves the streams of preemptible bands running there to other replicas, each continued
+exactly as a drained replica's are (``_preempt``; the continuation's reason
+``"preempted"``). A preempted stream spends none of ``upstream.max_continuations`` (its
+band's ``max_preemptions`` bounds how often it moves), and when no other replica can take
+its continuation it goes back to the replica it left rather than end: preemption never
+loses a stream. Non-streamed requests cannot be continued and stay where they run.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from gateway.upstream import (
     UpstreamResponse,
 )
 from replicas.replica import Claim, Replica
+from routing.preemption import has_haven, has_refuge, may_preempt
 from routing.route import EXHAUSTED, NO_REPLICA, Route
 
 CANCELLED = "The response was cancelled (POST /v1/responses/{id}/cancel)."
@@ -84,6 +93,13 @@ CUT_MALFORMED: Final = "malformed"
 CUT_CANCELLED: Final = "cancelled"
 # Not a cut: a drained replica's stream, moved to another replica (``Proxy.migrate``).
 MIGRATE_DRAIN: Final = "drain"
+# Not a cut: a preemptible band's stream, moved off for a higher band's work (``Proxy._preempt``).
+PREEMPTED: Final = "preempted"
+# The message of the error event a moved stream ends with, should no replica finish it.
+_MOVED = {
+    MIGRATE_DRAIN: "The replica was drained; the stream was cut.",
+    PREEMPTED: "The stream gave way to a higher band's work; the stream was cut.",
+}
 # The cuts that are the replica's fault (counted against it).
 _REPLICA_FAULTS = frozenset({CUT_CHUNK_GAP, CUT_REPLICA_DOWN, CUT_STALL_TIMEOUT, CUT_UPSTREAM_CLOSED, CUT_MALFORMED})
 # The most of a stream kept for its continuation: a stream longer than this is cut, as
@@ -134,6 +150,7 @@ class Proxy:
         clock: Callable[[], float],
         *,
         chunk_gaps: Mapping[str, float] | None = None,
+        preemptions: Sequence[int | None] = (),
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -148,6 +165,10 @@ class Proxy:
         # Replicas whose streams were moved off (``migrate``): a stream that starts relaying
         # on one while it is still out of rotation moves at once.
         self._moved_off: set[str] = set()
+        # By band: how often one of its streams may be preempted (None: never; ``routing.bands``).
+        self._max_preemptions = tuple(preemptions)
+        # Streams under way of preemptible bands, by replica id (``_preempt``).
+        self._yielding: dict[str, set[_Leg]] = {}
 
     async def __aenter__(self) -> Proxy:
         self._client = UpstreamClient(
@@ -196,6 +217,8 @@ class Proxy:
             if replica is None:
                 break
             claim = pick.claim(replica, streamed)
+            if claim.preempting:
+                self._preempt(replica)
             try:
                 if ex.cut_at_deadline:
                     result = await self._before_deadline(ex, send(ex, replica))
@@ -417,8 +440,9 @@ class Proxy:
         it exactly (``_resume``), else end it with an error event."""
         response = ex.response or await prepare(ex, request)
         scanner = ex.call.dialect.scanner(ex.call)
+        leg.bound = self._preemption_bound(ex)
         # What the client was sent, as the replica sent it: what a continuation starts from.
-        relayed = _Relayed() if self.settings.max_continuations else None
+        relayed = _Relayed() if self.settings.max_continuations or leg.bound is not None else None
         gaps = self.metrics.itl.new_gaps()
         clock = self.clock
         out, n = scanner.feed(first)
@@ -506,8 +530,8 @@ class Proxy:
         except UpstreamError:
             if ex.stop == "cancelled":  # the client's own cancel: no fault of the replica's
                 return _Cut(CUT_CANCELLED, CANCELLED, resumable=False)
-            if leg.migrating:
-                return _Cut(MIGRATE_DRAIN, "The replica was drained; the stream was cut.")
+            if leg.migrating is not None:
+                return _Cut(leg.migrating, _MOVED[leg.migrating])
             return _Cut(CUT_UPSTREAM_CLOSED, "The replica's connection broke mid-stream.")
         except SseError as exc:
             return _Cut(CUT_MALFORMED, f"The replica's stream was cut: {exc}.", resumable=False)
@@ -517,9 +541,18 @@ class Proxy:
             return _Cut(CUT_UPSTREAM_CLOSED, "The replica ended the stream early.")
         return None
 
-    def _plan(self, ex: Exchange, served: str, relayed: _Relayed) -> continuation.Continuation | None:
-        """The continuation of ``ex``'s stream from what the client has been sent (pure)."""
-        if relayed.full or len(ex.continued) >= self.settings.max_continuations:
+    def _plan(
+        self, ex: Exchange, served: str, relayed: _Relayed, reason: str | None = None
+    ) -> continuation.Continuation | None:
+        """The continuation of ``ex``'s stream from what the client has been sent (pure),
+        if one more is allowed for ``reason``: a preemption within its band's
+        ``max_preemptions``, anything else within ``upstream.max_continuations``."""
+        if relayed.full:
+            return None
+        if reason == PREEMPTED:
+            if not may_preempt(_preemptions(ex), self._preemption_bound(ex)):
+                return None
+        elif not self._continuations_left(ex):
             return None
         sent = orjson.loads(ex.call.upstream_body(ex.adapter or served))
         return continuation.plan(ex.dialect.name, sent, relayed.bytes())
@@ -542,21 +575,29 @@ class Proxy:
         the client is told never exceeds its token limit. (Counting them by re-tokenising
         the partial text overcounts wherever it re-tokenises differently.)"""
         old = leg.claim.replica
-        plan = leg.plan()
+        plan = leg.plan(cut.reason)
         # The stream runs there no more: the replica's load, and a drain or restart waiting
         # for it to empty, end now, not when the continuation's first token comes.
         self._close_leg(leg)
         # Not the replica it leaves, nor one that refused the continuation just now; a replica
         # the stream left before is a candidate again (undrained after a rolling restart).
         exclude = {old.id}
-        while plan is not None and len(ex.continued) < self.settings.max_continuations:
+        # A preempted stream was fine where it ran: it is not bounded by max_continuations
+        # (each replica is tried once, then the one it left), nor cut at the gateway's own
+        # deadline (only the client's, which would have cut it there too).
+        preempted = cut.reason == PREEMPTED
+        back = False
+        while plan is not None and (preempted or self._continuations_left(ex)):
             now = self.clock()
-            if ex.deadline is not None and now >= ex.deadline:
+            if ex.deadline is not None and now >= ex.deadline and (ex.cut_at_deadline or not preempted):
                 return None
             # A first attempt to the picker: no retry budget is spent (see above).
             choice = pick.next_attempt(now, exclude, 0, ex.deadline)
             if isinstance(choice, str) or choice.model != old.model:
-                return None  # none left, or only a fallback model: not the same answer
+                if not preempted or back:
+                    return None  # none left, or only a fallback model: not the same answer
+                # Nothing else can take it: back where it ran, rather than lose it.
+                back, choice = True, old
             replica = choice
             served = ex.adapter or replica.served_model
             ex.continued = (*ex.continued, Continued(replica.id, cut.reason, plan.relayed_tokens))
@@ -567,6 +608,8 @@ class Proxy:
             if ex.timeline is not None:
                 ex.timeline.attempt(replica.id, replica.base_url, replica.served_model, self.clock())
             claim = pick.claim(replica, streamed=True)
+            if claim.preempting:
+                self._preempt(replica)
             body = orjson.dumps({**plan.body, "model": served, **_priority(ex, replica)})
             try:
                 upstream, first = await with_keepalive(
@@ -574,17 +617,24 @@ class Proxy:
                     request,
                     self._open_continuation(ex, replica, plan.path, body),
                     self.settings.keepalive_interval_s,
+                    discard=_close_opened,
                 )
             except UpstreamFailure as failure:
                 claim.release()
                 self._failed(replica, failure)
                 exclude.add(replica.id)
                 continue
-            log.info(
+            except BaseException:
+                # The client left while the continuation opened: nothing holds the claim
+                # (the leg still has the replica it left), so it is handed back here.
+                claim.release()
+                raise
+            log.log(
+                logging.DEBUG if preempted else logging.INFO,
                 "stream continued on another replica",
                 extra={"request_id": ex.request_id, "from": old.id, "to": replica.id, "reason": cut.reason},
             )
-            leg.claim, leg.upstream, leg.splice, leg.migrating = claim, upstream, _splicer(plan), False
+            leg.claim, leg.upstream, leg.splice, leg.migrating = claim, upstream, _splicer(plan), None
             claim.prefilled()
             replica.last_progress_at = self.clock()
             self._track(leg)
@@ -635,24 +685,62 @@ class Proxy:
         if replica.id in self._moved_off and not replica.routable(self.clock()):
             # Its first token came after the drain's streams were moved: it moves too.
             asyncio.get_running_loop().call_soon(self._move, leg)
+        elif leg.bound is not None:
+            self._yielding.setdefault(replica.id, set()).add(leg)
+            if replica.preempting and has_haven(replica, self._peers(replica), self.clock()):
+                # It began beside preempting work (no replica was free of it when it was
+                # sent, or that work came during its prefill) and one is free now: it moves.
+                asyncio.get_running_loop().call_soon(self._move_if_on, leg, replica)
 
     def _close_leg(self, leg: _Leg) -> None:
         """Hand back what ``leg`` holds: its claim and its connection."""
-        legs = self._legs.get(leg.claim.replica.id)
+        rid = leg.claim.replica.id
+        legs = self._legs.get(rid)
         if legs is not None:
             legs.discard(leg)
+        if leg.bound is not None and (yielding := self._yielding.get(rid)) is not None:
+            yielding.discard(leg)
         leg.claim.release()
         leg.upstream.release()
 
-    def _move(self, leg: _Leg) -> bool:
+    def _move(self, leg: _Leg, reason: str = MIGRATE_DRAIN) -> bool:
         """Close ``leg``'s connection so its relay continues the stream elsewhere, if it can
-        be continued; whether it was."""
-        if leg.migrating or leg.plan() is None:
+        be continued (for ``reason``); whether it was."""
+        if leg.migrating is not None or leg.plan(reason) is None:
             return False
-        leg.migrating = True
-        leg.upstream.fail(UpstreamError("the replica was drained"))
+        leg.migrating = reason
+        leg.upstream.fail(UpstreamError(f"the stream was moved off its replica ({reason})"))
         leg.upstream.close()
         return True
+
+    def _move_if_on(self, leg: _Leg, replica: Replica) -> None:
+        """Preempt ``leg`` if it still runs on ``replica`` (it may have ended meanwhile)."""
+        if leg in self._yielding.get(replica.id, ()):
+            self._move(leg, PREEMPTED)
+
+    def _preempt(self, replica: Replica) -> None:
+        """A preempting request was just sent to ``replica``: the preemptible bands'
+        streams running there move to other replicas (each relay continues its own), if
+        another replica can take them. O(1) while none runs there."""
+        legs = self._yielding.get(replica.id)
+        if not legs or not has_refuge(replica, self._peers(replica), self.clock()):
+            return
+        moved = sum(self._move(leg, PREEMPTED) for leg in list(legs))
+        if moved:
+            log.debug("streams preempted", extra={"replica": replica.id, "streams": moved})
+
+    def _preemption_bound(self, ex: Exchange) -> int | None:
+        """How often ``ex``'s stream may be preempted (None: its band is not preemptible)."""
+        bounds = self._max_preemptions
+        route = ex.route
+        if not bounds or route is None or route.band >= len(bounds):
+            return None
+        return bounds[route.band]
+
+    def _continuations_left(self, ex: Exchange) -> bool:
+        """Whether ``ex``'s stream may be continued once more after a failure or a drain
+        (preemptions are not counted: ``_plan``)."""
+        return len(ex.continued) - _preemptions(ex) < self.settings.max_continuations
 
     def bind_fleet(self, peers: Callable[[Replica], Sequence[Replica]]) -> None:
         """Where a drained replica's streams could move: the replicas of its model."""
@@ -682,6 +770,16 @@ class Proxy:
         moved = sum(self._move(leg) for leg in list(self._legs.get(replica.id, ())))
         if moved:
             log.info("streams moved off a drained replica", extra={"replica": replica.id, "streams": moved})
+
+
+def _close_opened(opened: tuple[UpstreamResponse, bytes]) -> None:
+    """A continuation's stream opened after its client left: nothing will read it."""
+    opened[0].close()
+
+
+def _preemptions(ex: Exchange) -> int:
+    """How often ``ex``'s stream has been preempted so far."""
+    return sum(1 for c in ex.continued if c.reason == PREEMPTED)
 
 
 def _upstream_body(ex: Exchange, replica: Replica) -> bytes:
@@ -789,16 +887,20 @@ class _Leg:
     """The part of a stream one replica serves: its claim, its connection, and (on a
     continuation) what fits its events into the client's stream."""
 
-    __slots__ = ("claim", "migrating", "plan", "splice", "upstream")
+    __slots__ = ("bound", "claim", "migrating", "plan", "splice", "upstream")
 
     def __init__(self, claim: Claim, upstream: UpstreamResponse) -> None:
         self.claim = claim
         self.upstream = upstream
         self.splice: Callable[[bytes], bytes] | None = None
-        # Set when its replica drains: the connection is closed on purpose (``Proxy.migrate``).
-        self.migrating = False
-        # The stream's continuation from what the client has now (None: it has none).
-        self.plan: Callable[[], continuation.Continuation | None] = _no_plan
+        # Why its connection is being closed on purpose: its replica drains (``Proxy.migrate``)
+        # or it gives way to a higher band (``Proxy._preempt``); None while it is not.
+        self.migrating: str | None = None
+        # Its band's ``max_preemptions`` (None: not preemptible).
+        self.bound: int | None = None
+        # The stream's continuation from what the client has now, if one more is allowed
+        # for the reason given (None: it has none).
+        self.plan: Callable[[str | None], continuation.Continuation | None] = _no_plan
 
 
 class _Relayed:
@@ -876,7 +978,7 @@ class _Outbound:
             await self.response.write(out)
 
 
-def _no_plan() -> continuation.Continuation | None:
+def _no_plan(reason: str | None = None) -> continuation.Continuation | None:
     return None
 
 

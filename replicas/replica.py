@@ -142,6 +142,9 @@ class Replica:
     # when it has held any (gateway clock), and how long all of them may go without a byte.
     streams: int = 0
     streams_since: float | None = None
+    # This gateway's requests of a preempting band in flight on the replica (``Claim``):
+    # a preemptible band's streams give way to them (``routing.preemption``).
+    preempting: int = 0
     stall_after_s: float = DEFAULT_STALL_AFTER_S
     # The stall episode under way as the health loop saw it begin (``track_stall``), and
     # how many began since start.
@@ -272,6 +275,9 @@ class Claim:
     pays off the prompt, each further token one completion token, and ``release`` returns
     whatever is left (finished early, failed or cancelled).
 
+    A request of a band that preempts (``preempting``) counts in ``Replica.preempting``
+    until ``release``.
+
     A streamed request (``streamed``) counts in the replica's streams (``Replica.stalled``
     watches them) until ``release``, and in the replica's prefill backlog
     (``prefill_requests`` / ``prefill_tokens``) until its first token arrives. A non-streamed
@@ -293,6 +299,7 @@ class Claim:
         "_released",
         "_streamed",
         "_trial",
+        "preempting",
         "replica",
     )
 
@@ -305,8 +312,12 @@ class Claim:
         *,
         streamed: bool = False,
         on_prefilled: Callable[[], None] | None = None,
+        preempting: bool = False,
     ) -> None:
         self.replica = replica
+        self.preempting = preempting
+        if preempting:
+            replica.preempting += 1
         breaker = replica.breaker
         # Routing offered the replica only if its breaker was ready, and nothing awaited since.
         self._trial = breaker.trial if breaker.allow(now) else None
@@ -344,6 +355,8 @@ class Claim:
         self._end_prefill()
         if self._streamed:
             self.replica.streams -= 1
+        if self.preempting:
+            self.replica.preempting -= 1
         self.replica.outstanding_tokens -= self._prompt_left + self._completion_left
         self.replica.outstanding_requests -= 1
         self._prompt_left = self._completion_left = 0

@@ -29,7 +29,9 @@ share of each replica's capacity (``BandLimits.capacity_share``): its requests s
 as full earlier, so room stays free for the bands above it, whose requests then start at
 once instead of after a lower band's request ends. A request goes straight on when no
 request of its own band or a higher one waits and its band's capacity has room: a lower
-band's backlog does not close the fast path to a higher band's requests.
+band's backlog does not close the fast path to a higher band's requests. A preemptible
+band (``routing.preemption``) finds no room on a replica running preempting work: its
+queued requests wait for another replica rather than start beside that work.
 
 Accounting: a woken request has a slot promised but has not claimed its replica yet
 (``_waking``); those promises count against the free slots, and the fast path stays closed
@@ -50,6 +52,7 @@ from replicas.replica import Replica
 from routing.band_queue import SINGLE_BAND, BandedQueue, BandLimits, BandTicket
 from routing.capacity import UNBOUNDED, Capacity, free_slots, has_room
 from routing.fair_queue import FairQueueConfig, Rejected, RejectReason
+from routing.preemption import preempting_bands
 
 Waiter = asyncio.Future[Rejected | None]
 # What waits in the fair queue: the tenant (for the prefill share) and its future.
@@ -91,7 +94,10 @@ class Admission:
         self._share_prefill = share_prefill and capacity.max_prefill_tokens is not None
         self._queue: BandedQueue[Waiting] = BandedQueue(bands, config, weights)
         # The capacity each band's requests may fill: the pool's, or its share of it.
-        self._capacities = tuple(_share(capacity, b.capacity_share) for b in bands)
+        self._capacities = tuple(_share(capacity, b.capacity_share, b.preemptible) for b in bands)
+        # By band: whether its requests preempt, and whether it gives way (``routing.preemption``).
+        self._preemptible = tuple(b.preemptible for b in bands)
+        self._preempting = preempting_bands(self._preemptible)
         self._queued = 0
         self._waking = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -117,6 +123,14 @@ class Admission:
 
     def set_weight(self, tenant: str, weight: float) -> None:
         self._queue.set_weight(tenant, weight)
+
+    def preempting(self, band: int) -> bool:
+        """Whether ``band``'s requests preempt a lower, preemptible band's streams."""
+        return self._preempting[band]
+
+    def preemptible(self, band: int) -> bool:
+        """Whether ``band``'s streams give way to preempting requests."""
+        return self._preemptible[band]
 
     def ready(self, now: float, band: int = 0) -> bool:
         """The fast path: go straight on (nothing queued in ``band`` or above, nothing being
@@ -281,8 +295,11 @@ class Admission:
         self._timer = asyncio.get_running_loop().call_later(delay, self.poll)
 
 
-def _share(capacity: Capacity, share: float) -> Capacity:
-    """``capacity`` scaled to ``share`` of each bound (at least one request, one token)."""
+def _share(capacity: Capacity, share: float, yields: bool = False) -> Capacity:
+    """``capacity`` scaled to ``share`` of each bound (at least one request, one token);
+    ``yields``: a preemptible band's, with no room on a replica running preempting work."""
+    if yields:
+        capacity = dataclasses.replace(capacity, yields=True)
     if share >= 1.0:
         return capacity
 

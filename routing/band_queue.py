@@ -31,11 +31,13 @@ class BandLimits:
     """One band: its name; how many of its requests may wait in one pool, all tenants
     together (None: only the per-tenant bound, ``FairQueueConfig.max_queue_length``); and the
     share of each replica's capacity its requests may fill (``routing.admission``: the rest
-    is kept free for higher bands)."""
+    is kept free for higher bands); whether its streams give way to higher bands' work
+    (``routing.preemption``)."""
 
     name: str
     max_queued: int | None = None
     capacity_share: float = 1.0
+    preemptible: bool = False
 
 
 # Without a ``bands`` setting a pool has one band: the queue is then exactly ``FairQueue``.

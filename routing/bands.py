@@ -24,12 +24,14 @@ from routing.config import BandSettings
 
 @dataclass(frozen=True, slots=True)
 class Bands:
-    """The configured bands, highest first, with each one's longest queue wait (None: by priority)."""
+    """The configured bands, highest first, with each one's longest queue wait (None: by
+    priority) and how often one of its streams may be preempted (None: never)."""
 
     names: tuple[str, ...]
     max_wait_s: tuple[float | None, ...]
     limits: tuple[BandLimits, ...]
     _index: dict[str, int] = field(repr=False, compare=False)
+    max_preemptions: tuple[int | None, ...] = ()
 
     @classmethod
     def from_settings(cls, bands: Sequence[BandSettings]) -> Bands:
@@ -37,8 +39,9 @@ class Bands:
         return cls(
             names,
             tuple(b.max_wait_s for b in bands),
-            tuple(BandLimits(b.name, b.max_queued, b.capacity_share) for b in bands),
+            tuple(BandLimits(b.name, b.max_queued, b.capacity_share, b.preemptible) for b in bands),
             {n: i for i, n in enumerate(names)},
+            tuple(b.max_preemptions if b.preemptible else None for b in bands),
         )
 
     @property

@@ -49,6 +49,9 @@ class Capacity:
     load: LoadModel = field(default_factory=LoadModel)
     # The replicas' KV cache in tokens, when configured (else each replica's scraped figure).
     kv_cache_tokens: int | None = None
+    # A preemptible band's capacity: a replica running preempting work has no room for it
+    # (``routing.preemption``), so its queued requests wait for another replica instead.
+    yields: bool = False
 
     def kv_tokens(self, replica: Replica) -> int | None:
         """How many tokens ``replica``'s prefix cache holds: configured, scraped, or unknown."""
@@ -74,6 +77,8 @@ class Capacity:
 
         ``prefill=False``: under the hard limits alone, the prefill bound left out.
         """
+        if self.yields and replica.preempting:
+            return 0
         free = UNBOUNDED
         if self.max_requests is not None:
             free = self.max_requests - int(self.load.requests(replica))

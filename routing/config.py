@@ -252,6 +252,12 @@ def _tier(t: TierRange) -> TierSettings:
 DEFAULT_BANDS = ("interactive", "standard", "batch")
 
 
+# How often one stream of a preemptible band may be moved off a replica for higher-band
+# work: each move costs a prefill of its prompt and the text so far on the replica it goes
+# to, and a stream under steady higher-band traffic would otherwise move for ever.
+DEFAULT_MAX_PREEMPTIONS = 8
+
+
 class BandSettings(_Frozen):
     """One priority band (``bands:``, highest first; a plain name stands for ``{name: NAME}``).
 
@@ -262,13 +268,20 @@ class BandSettings(_Frozen):
     share of each replica's capacity (``capacity.max_requests``, ``max_outstanding_tokens``,
     ``max_prefill_tokens``) this band's requests may fill, all bands' work counted; the rest
     stays free for higher bands, whose requests then start at once instead of waiting for a
-    lower band's to finish (1: the whole capacity).
+    lower band's to finish (1: the whole capacity). ``preemptible``: a request of a higher,
+    non-preemptible band sent to a replica moves this band's streams running there to
+    another replica, where each is continued exactly (``gateway.proxy``, docs/routing.md
+    "Preemption"); while higher-band work runs on a replica, this band's requests go
+    elsewhere if they can. ``max_preemptions``: how often one stream may be moved so;
+    after that it stays until it ends, so every preempted stream finishes.
     """
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     max_wait_s: float | None = Field(None, gt=0)
     max_queued: int | None = Field(None, ge=1)
     capacity_share: float = Field(1.0, gt=0, le=1)
+    preemptible: bool = False
+    max_preemptions: int = Field(DEFAULT_MAX_PREEMPTIONS, ge=1, le=100)
 
 
 def band_list(value: object) -> object:

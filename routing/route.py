@@ -30,6 +30,7 @@ from replicas.replica import Claim, Replica
 from routing.metrics import RoutingMetrics
 from routing.policies import RouteRequest
 from routing.pool import Pool
+from routing.preemption import avoiding
 from routing.tiers import TierChoice
 
 # Completion tokens assumed owed when a request sets no max_tokens (routing estimate only).
@@ -210,7 +211,14 @@ class Route:
             chain[0].budget.deposit(now)
         request = self._request
         for position, pool in enumerate(chain):
-            decision = pool.pick(request, now, exclude, self.adapter)
+            decision = None
+            if self.band and pool.admission.preemptible(self.band):
+                # A preemptible band avoids replicas running preempting work while it can.
+                away = avoiding(pool.replicas, exclude)
+                if away is not None:
+                    decision = pool.pick(request, now, away, self.adapter)
+            if decision is None or decision.replica is None:
+                decision = pool.pick(request, now, exclude, self.adapter)
             replica = decision.replica
             if replica is None:
                 continue
@@ -248,11 +256,16 @@ class Route:
         """
         admission = self._router.pools[self.served or self.model].admission
         now = self._router.clock()
+        preempting = admission.preempting(self.band)
         if not streamed:
-            return Claim(replica, self._prefill, self.max_tokens, now, on_prefilled=admission.notify)
+            return Claim(
+                replica, self._prefill, self.max_tokens, now, on_prefilled=admission.notify, preempting=preempting
+            )
         admission.prefill_started(self.tenant, self.band)
         ended = functools.partial(admission.prefill_ended, self.tenant, self.band)
-        return Claim(replica, self._prefill, self.max_tokens, now, streamed=True, on_prefilled=ended)
+        return Claim(
+            replica, self._prefill, self.max_tokens, now, streamed=True, on_prefilled=ended, preempting=preempting
+        )
 
     def may_retry(self) -> bool:
         """Whether another attempt may follow a failed one (the primary pool's retry budget)."""
