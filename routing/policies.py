@@ -381,7 +381,7 @@ class PrefixAffinity:
             address = replica.base_url
             part = homes.get(address)
             if part is None:
-                more = held.get(replica.id, 0)
+                more = held.get(replica.id, 0) if held else 0
                 return (1, more, 0.0) if more > at_home else (0, 0, weight(anchor, address))
             if history is None:
                 return 1, at_home, 0.0
@@ -390,7 +390,7 @@ class PrefixAffinity:
         best = self._first_within_bound(candidates, rank)
         if best.base_url in homes:
             return Decision(best, "affinity")
-        if held.get(best.id, 0) > at_home:
+        if held and held.get(best.id, 0) > at_home:
             return Decision(best, "affinity_history")
         # Not at home: past the bound, home stalled, or home not a candidate (tried already, or full).
         return Decision(best, "stall_spill" if stalled.intersection(homes) else "affinity_spill")
