@@ -93,6 +93,16 @@ async def in_process_gateway(config: dict[str, Any], tmp_path: Path) -> AsyncIte
 PROBE_ENDPOINTS = frozenset({"healthz", "readyz", "metrics"})
 
 
+def sse_events(raw: bytes) -> list[Any]:
+    """A chat stream's events as the client read them: each ``data:`` payload parsed, ``[DONE]`` as is."""
+    out: list[Any] = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            payload = block[len(b"data: ") :]
+            out.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+    return out
+
+
 async def until(check: Any, within_s: float = 5.0) -> None:
     """Poll a condition on the gateway's state (set by other tasks) until it holds."""
     loop = asyncio.get_running_loop()

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
 from gateway.settings import hash_key
 from tests.integration.harness import (
@@ -24,6 +23,7 @@ from tests.integration.harness import (
     in_process_gateway,
     serve_app,
     sim_upstream,
+    sse_events,
 )
 
 MODEL = "m"
@@ -42,20 +42,11 @@ def chat(max_tokens: int = 24, content: str = "tell me", **extra: Any) -> dict[s
     }
 
 
-def events(raw: bytes) -> list[Any]:
-    out: list[Any] = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: "):
-            payload = block[len(b"data: ") :]
-            out.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
-    return out
-
-
 async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[str, list[Any]]:
     async with http.post(f"{url}/v1/chat/completions", json=body, headers=AUTH) as r:
         assert r.status == 200
         assert "x-fleetgate-replica" in r.headers, dict(r.headers)
-        return r.headers["x-fleetgate-replica"], events(await r.read())
+        return r.headers["x-fleetgate-replica"], sse_events(await r.read())
 
 
 def one_stream(got: list[Any]) -> str:
@@ -84,7 +75,7 @@ async def test_a_stream_cut_mid_way_is_finished_on_another_replica(tmp_path: Pat
             index = next(i for i, (replica, _) in enumerate(results) if replica == "m-0")
             async with http.post(f"{url}/v1/chat/completions", json=asked[index], headers=AUTH) as r:
                 assert r.headers["x-fleetgate-cache"] == "exact"
-                again = events(await r.read())
+                again = sse_events(await r.read())
                 replayed = one_stream(again)
             assert replayed == one_stream(results[index][1])
             gateway.access_log.flush()
@@ -158,7 +149,7 @@ async def test_a_drained_replicas_streams_move_to_another(tmp_path: Path) -> Non
                     assert d.status == 200
                 async with http.post(f"{url}/admin/replicas/{other}/drain", headers=admin) as d:
                     assert d.status == 200
-                got = events(head + await r.read())
+                got = sse_events(head + await r.read())
                 took = asyncio.get_running_loop().time() - started
             gateway.access_log.flush()
             (line,) = [x for x in access_lines(access) if x["path"] == "/v1/chat/completions"]
@@ -279,6 +270,6 @@ async def test_a_moved_stream_leaves_its_replica_before_the_new_one_answers(tmp_
                     while m0.outstanding_requests:  # noqa: ASYNC110
                         await asyncio.sleep(0.02)
                 emptied = loop.time() - drained
-                text = one_stream(events(await r.read()))
+                text = one_stream(sse_events(await r.read()))
     assert text
     assert emptied < 2.0, emptied  # the move (0.2 s after the drain), not b's 3 s to its first token

@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 
 from gateway.settings import hash_key
-from tests.integration.harness import access_lines, in_process_gateway, sim_upstream, until
+from tests.integration.harness import access_lines, in_process_gateway, sim_upstream, sse_events, until
 
 MODEL = "m"
 CHAT_KEY = "sk-preempt-chat"
@@ -95,13 +95,7 @@ class Stream:
         return await asyncio.wait_for(asyncio.shield(self.first), 10)
 
     async def events(self) -> list[Any]:
-        raw = await asyncio.wait_for(self.task, 30)
-        out: list[Any] = []
-        for block in raw.split(b"\n\n"):
-            if block.startswith(b"data: "):
-                payload = block[len(b"data: ") :]
-                out.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
-        return out
+        return sse_events(await asyncio.wait_for(self.task, 30))
 
 
 def whole(got: list[Any]) -> tuple[list[str], dict[str, Any]]:
