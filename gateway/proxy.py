@@ -761,9 +761,7 @@ class Proxy:
         """Close the connections of ``replica``'s streams that another replica can finish:
         each relay continues its stream there. The others (nothing can take them, or they
         cannot be continued) are left to finish where they are."""
-        now = self.clock()
-        peers = self._peers(replica)
-        if not any(peer is not replica and peer.routable(now) for peer in peers):
+        if not has_refuge(replica, self._peers(replica), self.clock()):
             log.info("a drained replica's streams stay: no other replica can take them", extra={"replica": replica.id})
             return
         self._moved_off.add(replica.id)

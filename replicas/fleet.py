@@ -175,9 +175,9 @@ class Fleet:
         self.checker: HealthChecker | None = None
         self.discovery: list[tuple[str, KubernetesSource]] = []
         # What each discovery source's replicas get: served name, probe, headers; and the
-        # source itself, which says where its pods publish KV events.
+        # topic its pods publish KV events on (where: ``KubernetesSource.events_at``).
         self._discovered_as: list[_Upstream] = []
-        self._discovered_from: list[ReplicaSettings] = []
+        self._discovered_topics: list[str] = []
         # Replica ids each discovery source (model, index in `discovery`) added.
         self._owned: dict[tuple[str, int], set[str]] = {}
         # Discovery sources (index in `discovery`) whose first list has arrived.
@@ -233,7 +233,7 @@ class Fleet:
             if rs.kubernetes is not None:
                 self.discovery.append((model.name, rs.kubernetes))
                 self._discovered_as.append(up)
-                self._discovered_from.append(rs)
+                self._discovered_topics.append(rs.kv_events_topic)
                 if rs.kubernetes.kv_events_port is not None:
                     self.kv_models.add(model.name)
                 continue
@@ -297,14 +297,14 @@ class Fleet:
                     self._on_removed(replica)
         settings = self._models[model]
         up = self._discovered_as[source]
+        _, kube = self.discovery[source]
         for rid in removed:
             self._events_moved(rid, None)
         for rid in added:
             keep.append(self._replica(rid, desired[rid], settings, up, managed=False))
-            rs = self._discovered_from[source]
             host = urlsplit(desired[rid]).hostname
-            if rs.kubernetes is not None and host:
-                self._events_moved(rid, rs.kubernetes.events_at(host, rs.kv_events_topic))
+            if host:
+                self._events_moved(rid, kube.events_at(host, self._discovered_topics[source]))
         current[:] = keep  # in place: routing closures hold this list
         owned.difference_update(removed)
         owned.update(added)
